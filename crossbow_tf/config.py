@@ -1,0 +1,168 @@
+"""Typed, validated experiment configuration, read from YAML with PyYAML's safe loader."""
+import dataclasses
+import os
+import typing
+
+import yaml
+
+from crossbow_tf.errors import ConfigError
+
+@dataclasses.dataclass
+class DataConfig:
+    name: str = "mnist_embedded"
+    data_dir: typing.Optional[str] = None
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    name: str = "sma"                       # sma | ssgd | easgd
+    alpha: typing.Optional[float] = None    # None: 1/k for SMA, 0.9/k for EASGD
+    momentum: float = 0.9
+    central_momentum: float = 0.9
+    weight_decay: float = 0.0
+
+
+@dataclasses.dataclass
+class DevicesConfig:
+    logical_cpu: typing.Optional[int] = None   # split the CPU into this many devices when no GPU
+    cross_device_reduction: str = "auto"     # auto | nccl | one_device | hierarchical_copy
+
+
+@dataclasses.dataclass
+class LearningRateConfig:
+    base: float = 0.01
+    drops_at_epochs: typing.List[float] = dataclasses.field(default_factory=list)
+    drop_factor: float = 0.1
+    warmup_epochs: float = 0.0
+
+
+@dataclasses.dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    model: str = "lenet"
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
+    learners_per_device: int = 1
+    batch_size: int = 16                     # b: the batch of one learner
+    learning_rate: LearningRateConfig = dataclasses.field(default_factory=LearningRateConfig)
+    epochs: int = 10
+    target_accuracy: typing.Optional[float] = None
+    stop_at_target: bool = True
+    seed: int = 0
+    eval_batch_size: int = 500
+    jit_compile: bool = False
+
+
+def _check_type(path, value, annotation):
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Union:
+        errors = []
+        for option in args:
+            try:
+                return _check_type(path, value, option)
+            except ConfigError as e:
+                errors.append(e)
+        names = " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+        raise ConfigError(f"{path}: expected {names}, got {value!r}")
+    if annotation is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: expected null, got {value!r}")
+        return None
+    if origin in (list, typing.List):
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_check_type(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value, path)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(annotation)
+
+
+def _build(cls, mapping, path):
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {mapping!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(mapping) - fields)
+    if unknown:
+        raise ConfigError(f"{path + '.' if path else ''}{unknown[0]}: unknown key; "
+                          f"known keys are {', '.join(sorted(fields))}")
+    values = {name: _check_type(f"{path + '.' if path else ''}{name}", value, hints[name])
+              for name, value in mapping.items()}
+    return cls(**values)
+
+
+def _validate(c):
+    def need(ok, message):
+        if not ok:
+            raise ConfigError(message)
+    need(c.algorithm.name in ("sma", "ssgd", "easgd"),
+         f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose sma, ssgd or easgd")
+    need(c.learners_per_device >= 1,
+         f"learners_per_device: must be at least 1, got {c.learners_per_device}")
+    need(c.batch_size >= 1, f"batch_size: must be at least 1, got {c.batch_size}")
+    need(c.epochs >= 1, f"epochs: must be at least 1, got {c.epochs}")
+    need(c.eval_batch_size >= 1, f"eval_batch_size: must be at least 1, got {c.eval_batch_size}")
+    need(c.learning_rate.base > 0, f"learning_rate.base: must be positive, got {c.learning_rate.base}")
+    need(0 < c.learning_rate.drop_factor <= 1,
+         f"learning_rate.drop_factor: must be in (0, 1], got {c.learning_rate.drop_factor}")
+    need(c.learning_rate.warmup_epochs >= 0, "learning_rate.warmup_epochs: must not be negative")
+    need(list(c.learning_rate.drops_at_epochs) == sorted(c.learning_rate.drops_at_epochs)
+         and all(e > 0 for e in c.learning_rate.drops_at_epochs),
+         "learning_rate.drops_at_epochs: must be positive and increasing")
+    for name in ("momentum", "central_momentum"):
+        value = getattr(c.algorithm, name)
+        need(0 <= value < 1, f"algorithm.{name}: must be in [0, 1), got {value}")
+    need(c.algorithm.weight_decay >= 0, "algorithm.weight_decay: must not be negative")
+    need(c.algorithm.alpha is None or 0 < c.algorithm.alpha <= 1,
+         f"algorithm.alpha: must be in (0, 1] or null, got {c.algorithm.alpha}")
+    need(c.target_accuracy is None or 0 < c.target_accuracy <= 1,
+         f"target_accuracy: must be in (0, 1], got {c.target_accuracy}")
+    need(c.devices.logical_cpu is None or c.devices.logical_cpu >= 1,
+         f"devices.logical_cpu: must be at least 1, got {c.devices.logical_cpu}")
+    need(c.devices.cross_device_reduction in ("auto", "nccl", "one_device", "hierarchical_copy"),
+         f"devices.cross_device_reduction: unknown {c.devices.cross_device_reduction!r}; "
+         "choose auto, nccl, one_device or hierarchical_copy")
+    return c
+
+
+def from_dict(mapping):
+    return _validate(_build(ExperimentConfig, mapping, ""))
+
+
+def load_config(path):
+    """Reads and validates the YAML experiment at PATH; raises ConfigError naming the problem."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        with open(path) as f:
+            mapping = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    try:
+        return from_dict(mapping)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def to_dict(config):
+    return dataclasses.asdict(config)

@@ -1,0 +1,32 @@
+"""Data sets by name: each loader returns a DataSource (see source.py)."""
+from crossbow_tf.data.embedded import load_embedded_mnist
+from crossbow_tf.data.mnist import load_mnist, to_model_input
+from crossbow_tf.data.source import DataSource, Split, from_arrays
+from crossbow_tf.errors import ConfigError, DataError
+
+
+def _mnist_embedded(data_dir=None):
+    return from_arrays("mnist_embedded", *load_embedded_mnist(), num_classes=10)
+
+
+def _mnist(data_dir=None):
+    if not data_dir:
+        raise DataError("the mnist data set needs --data-dir (a directory with the four IDX files)")
+    (x, y), (xt, yt) = load_mnist(data_dir)
+    return from_arrays("mnist", (to_model_input(x), y), (to_model_input(xt), yt), num_classes=10)
+
+
+DATASETS = {"mnist_embedded": _mnist_embedded, "mnist": _mnist}
+
+
+def load_dataset(name, data_dir=None):
+    """Loads data set NAME (a key of DATASETS) from DATA_DIR."""
+    try:
+        loader = DATASETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown data set {name!r}; choose one of {', '.join(sorted(DATASETS))}") from None
+    return loader(data_dir)
+
+
+__all__ = ["DATASETS", "DataSource", "Split", "from_arrays", "load_dataset", "load_mnist",
+           "load_embedded_mnist"]

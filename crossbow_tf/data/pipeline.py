@@ -1,0 +1,50 @@
+"""tf.data pipelines that yield each iteration's k slices of b examples.
+
+An iteration takes the next k*b examples of the epoch's order; learner j trains on the j-th
+consecutive slice of b. The last iteration of an epoch may hold fewer real examples: it is padded to
+k*b by repeating its own examples, and a mask (1.0 real, 0.0 padding) keeps padding out of every
+loss, gradient and metric. (BatchNorm batch statistics of that one iteration do see the repeated
+examples.) An epoch is therefore ceil(N / (k*b)) iterations and sees every example once.
+"""
+import math
+
+import tensorflow as tf
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+def iterations_per_epoch(num_examples, global_batch):
+    return math.ceil(num_examples / global_batch)
+
+
+def _pad_to(global_batch):
+    def pad(x, y):
+        n = tf.shape(y)[0]
+        index = tf.range(global_batch) % n
+        mask = tf.cast(tf.range(global_batch) < n, tf.float32)
+        return tf.gather(x, index), tf.gather(y, index), mask
+    return pad
+
+
+def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
+                  shuffle_buffer=None, deterministic=True):
+    """The iterations of one training epoch as (x, y, mask) with a leading dimension of k*b.
+
+    The epoch's order is a shuffle seeded by (SEED, EPOCH): the same seed gives the same order.
+    """
+    ds = split.dataset
+    if shuffle:
+        buffer = shuffle_buffer or split.size
+        ds = ds.shuffle(buffer, seed=seed * 100_003 + epoch, reshuffle_each_iteration=False)
+    if map_fn is not None:
+        ds = ds.map(map_fn, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+    ds = ds.batch(global_batch).map(_pad_to(global_batch), num_parallel_calls=AUTOTUNE)
+    return ds.prefetch(AUTOTUNE)
+
+
+def eval_batches(split, batch_size, map_fn=None):
+    """The evaluation split in order, as (x, y) batches (the last may be smaller)."""
+    ds = split.dataset
+    if map_fn is not None:
+        ds = ds.map(map_fn, num_parallel_calls=AUTOTUNE)
+    return ds.batch(batch_size).prefetch(AUTOTUNE)

@@ -1,0 +1,166 @@
+"""The compiled training step: k = D x m learners, their update rule and the synchronisation."""
+import numpy as np
+import tensorflow as tf
+
+from crossbow_tf.distribute.reduce import all_reduce_sum
+from crossbow_tf.engine.replicated import ReplicatedLearners
+
+# Seeds of per-learner random state (Dropout) differ by this odd stride so that no two learners
+# draw the same masks.
+_SEED_STRIDE = 1_000_003
+
+
+def _is_float(variable):
+    return tf.as_dtype(variable.dtype).is_floating
+
+
+class Engine:
+    """Trains the learners of MODEL with ALGORITHM, placed by STRATEGY.
+
+    Per device d it keeps one variable per model weight with a leading axis of m learners (their
+    weights, velocities and non-trainable state), and its own copy of the central model z and its
+    velocity u. MODEL itself is left alone until ``write_center_to_model`` copies z into it.
+    """
+
+    def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners=None):
+        if not model.built:
+            raise ValueError(f"model {model.name!r} is not built: give it an Input or call build() first")
+        self.model = model
+        self.strategy = strategy
+        self.algorithm = algorithm.resolve(strategy.num_learners)
+        self.learners = learners or ReplicatedLearners(model, loss)
+        m = strategy.learners_per_device
+        trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
+        states = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
+        self._float_state = [_is_float(v) for v in model.non_trainable_variables]
+        self.weights, self.velocities, self.states = [], [], []
+        self.center, self.center_velocity, self.center_states = [], [], []
+        learner_weights = not self.algorithm.gradient_at_center
+        for d, device in enumerate(strategy.devices):
+            with tf.device(device):
+                self.center.append([tf.Variable(w, name="z") for w in trainable])
+                self.center_velocity.append([tf.Variable(np.zeros_like(w), name="u") for w in trainable])
+                self.center_states.append([tf.Variable(s, name="z_state") for s in states])
+                if learner_weights:
+                    self.weights.append([tf.Variable(np.stack([w] * m), name="w") for w in trainable])
+                    self.velocities.append(
+                        [tf.Variable(np.zeros((m,) + w.shape, w.dtype), name="v") for w in trainable])
+                self.states.append([tf.Variable(self._learner_states(s, is_float, d), name="state")
+                                    for s, is_float in zip(states, self._float_state)])
+        self._step = tf.function(self._step_fn, jit_compile=jit_compile)
+        self._reset = tf.function(self._reset_fn)
+
+    def _learner_states(self, state, is_float, device_index):
+        m = self.strategy.learners_per_device
+        stack = np.stack([state] * m)
+        if not is_float:
+            # Integer state is random-generator state: give every learner its own stream.
+            for i in range(m):
+                j = device_index * m + i
+                stack[i].flat[0] = stack[i].flat[0] + _SEED_STRIDE * (j + 1)
+        return stack
+
+    @property
+    def num_learners(self):
+        return self.strategy.num_learners
+
+    def train_step(self, x, y, mask, lr):
+        """One iteration on a global batch of k*b examples cut into k consecutive slices of b.
+
+        MASK marks real (1.0) and padding (0.0) examples. Returns (mean loss over real examples,
+        predictions of every learner on its slice, in example order).
+        """
+        return self._step(x, y, tf.cast(mask, tf.float32), tf.constant(lr, tf.float32))
+
+    def _step_fn(self, x, y, mask, lr):
+        strategy, alg = self.strategy, self.algorithm
+        D, m = strategy.num_devices, strategy.learners_per_device
+        b = x.shape[0] // (D * m)
+        x = tf.reshape(x, [D, m, b] + x.shape[1:].as_list())
+        y = tf.reshape(y, [D, m, b] + y.shape[1:].as_list())
+        mask = tf.reshape(mask, [D, m, b])
+        total_count = tf.reduce_sum(mask)
+        local = []
+        for d, device in enumerate(strategy.devices):
+            with tf.device(device):
+                if alg.gradient_at_center:
+                    weights = [tf.broadcast_to(z, [m] + z.shape.as_list()) for z in self.center[d]]
+                else:
+                    weights = [w.read_value() for w in self.weights[d]]
+                states = [s.read_value() for s in self.states[d]]
+                losses, grads, new_states, preds = self.learners(weights, states, x[d], y[d], mask[d])
+                counts = tf.reduce_sum(mask[d], axis=1)
+                share = counts / tf.maximum(total_count, 1.0)
+                new_w, new_v, sums = [], [], []
+                for i, g in enumerate(grads):
+                    z = self.center[d][i]
+                    w = weights[i] if not alg.gradient_at_center else None
+                    v = self.velocities[d][i] if not alg.gradient_at_center else None
+                    share_b = tf.reshape(share, [m] + [1] * (len(g.shape) - 1))
+                    w_i, v_i, contribution = alg.local(w, v, g, z, lr, share_b)
+                    new_w.append(w_i)
+                    new_v.append(v_i)
+                    sums.append(tf.reduce_sum(contribution, axis=0))
+                state_sums = [tf.reduce_sum(s, axis=0) for s, f in zip(new_states, self._float_state) if f]
+                loss_sum = tf.reduce_sum(losses * counts)
+                local.append(dict(w=new_w, v=new_v, states=new_states, sums=sums + state_sums,
+                                  loss_sum=loss_sum, preds=preds))
+        reduced = all_reduce_sum(strategy.cross_device_ops, [l["sums"] for l in local])
+        n_weights = len(self.center[0])
+        k = float(self.num_learners)
+        for d, device in enumerate(strategy.devices):
+            with tf.device(device):
+                totals, state_totals = reduced[d][:n_weights], reduced[d][n_weights:]
+                for i, total in enumerate(totals):
+                    z, u = alg.central(self.center[d][i], self.center_velocity[d][i], total, lr)
+                    self.center[d][i].assign(z)
+                    self.center_velocity[d][i].assign(u)
+                    if not alg.gradient_at_center:
+                        self.weights[d][i].assign(local[d]["w"][i])
+                        self.velocities[d][i].assign(local[d]["v"][i])
+                float_states = iter(state_totals)
+                for i, s in enumerate(local[d]["states"]):
+                    self.states[d][i].assign(s)
+                    if self._float_state[i]:
+                        # z's BatchNorm statistics are the mean of all learners' statistics.
+                        self.center_states[d][i].assign(next(float_states) / k)
+        loss = tf.add_n([l["loss_sum"] for l in local]) / tf.maximum(total_count, 1.0)
+        preds = tf.concat([tf.reshape(l["preds"], [m * b] + l["preds"].shape[2:].as_list()) for l in local], 0)
+        return loss, preds
+
+    def reset_learners(self):
+        """Sets every learner's weights and float state to the central model's (velocities kept)."""
+        if not self.algorithm.gradient_at_center:
+            self._reset()
+
+    def _reset_fn(self):
+        m = self.strategy.learners_per_device
+        for d, device in enumerate(self.strategy.devices):
+            with tf.device(device):
+                for w, z in zip(self.weights[d], self.center[d]):
+                    w.assign(tf.broadcast_to(z, [m] + z.shape.as_list()))
+                for s, zs, f in zip(self.states[d], self.center_states[d], self._float_state):
+                    if f:
+                        s.assign(tf.broadcast_to(zs, [m] + zs.shape.as_list()))
+
+    def center_weights(self):
+        """The central model z (trainable weights) as NumPy arrays, from the first device."""
+        return [z.numpy() for z in self.center[0]]
+
+    def learner_weights(self):
+        """Every learner's trainable weights: list over learners j of lists of arrays."""
+        if self.algorithm.gradient_at_center:
+            return [self.center_weights() for _ in range(self.num_learners)]
+        out = []
+        for d in range(self.strategy.num_devices):
+            stacks = [w.numpy() for w in self.weights[d]]
+            out.extend([[s[i] for s in stacks] for i in range(self.strategy.learners_per_device)])
+        return out
+
+    def write_center_to_model(self):
+        """Copies z (weights and averaged float state) into the user's model."""
+        for var, z in zip(self.model.trainable_variables, self.center[0]):
+            var.assign(z)
+        for var, z, f in zip(self.model.non_trainable_variables, self.center_states[0], self._float_state):
+            if f:
+                var.assign(z)

@@ -1,0 +1,72 @@
+"""Runs one experiment configuration end to end: data, model, strategy, engine, training."""
+import dataclasses
+import time
+
+from crossbow_tf.algorithms import ALGORITHMS
+from crossbow_tf.distribute import CrossbowStrategy
+from crossbow_tf.distribute.devices import split_cpu
+
+
+def make_algorithm(cfg):
+    a = cfg.algorithm
+    cls = ALGORITHMS[a.name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in dataclasses.asdict(a).items() if k in fields}
+    return cls(**kwargs)
+
+
+def make_strategy(cfg):
+    import tensorflow as tf
+    if cfg.devices.logical_cpu and not tf.config.list_physical_devices("GPU"):
+        split_cpu(cfg.devices.logical_cpu)
+    return CrossbowStrategy(learners_per_device=cfg.learners_per_device,
+                            cross_device_reduction=cfg.devices.cross_device_reduction,
+                            devices=None if not cfg.devices.logical_cpu else
+                            [d.name for d in tf.config.list_logical_devices(
+                                "GPU" if tf.config.list_physical_devices("GPU") else "CPU")])
+
+
+def run_experiment(cfg, log=print):
+    """Trains CFG's model with its algorithm; returns RunResults."""
+    strategy = make_strategy(cfg)   # first: it fixes TensorFlow's device list
+    import keras
+
+    from crossbow_tf.config import to_dict
+    from crossbow_tf.data import load_dataset
+    from crossbow_tf.data.pipeline import iterations_per_epoch
+    from crossbow_tf.engine.core import Engine
+    from crossbow_tf.engine.schedule import StepSchedule
+    from crossbow_tf.engine.trainer import train
+    from crossbow_tf.models import build_model
+    from crossbow_tf.results import RunResults
+
+    data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    keras.utils.set_random_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    algorithm = make_algorithm(cfg)
+    engine = Engine(model, loss, algorithm, strategy, jit_compile=cfg.jit_compile)
+    global_batch = strategy.num_learners * cfg.batch_size
+    per_epoch = iterations_per_epoch(data.train.size, global_batch)
+    lr = cfg.learning_rate
+    schedule = StepSchedule.from_epochs(lr.base, lr.drops_at_epochs, lr.drop_factor, lr.warmup_epochs, per_epoch)
+    log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
+        f"{engine.algorithm.name} with k={strategy.num_learners} learners "
+        f"({strategy.num_devices} device(s) x {strategy.learners_per_device}), batch {cfg.batch_size} per learner, "
+        f"{per_epoch} iterations per epoch, cross-device reduction: {strategy.reduction_name}")
+    results = RunResults(engine.algorithm.name, to_dict(cfg), devices=strategy.devices,
+                         num_learners=strategy.num_learners)
+    start = time.perf_counter()
+    train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
+          target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
+          eval_batch_size=cfg.eval_batch_size, log=log)
+    results.extra["total_time"] = time.perf_counter() - start
+    if cfg.target_accuracy is not None:
+        tta = results.time_to_accuracy(cfg.target_accuracy)
+        if tta is None:
+            log(f"target accuracy {cfg.target_accuracy:.2%} not reached in {len(results.evaluations)} epochs "
+                f"(best {results.best_accuracy:.2%})")
+        else:
+            log(f"time to {cfg.target_accuracy:.2%} test accuracy: {tta:.2f}s of training "
+                f"({results.epochs_to_accuracy(cfg.target_accuracy)} epochs)")
+    return results

@@ -1,0 +1,75 @@
+"""One results format for every run (SMA or baseline): what the tools read.
+
+A run is a JSON file: method, configuration, environment, and per evaluation the training wall time
+(evaluation excluded, tracing included), epoch, iteration, examples seen, test accuracy and loss of
+the evaluated model (z for SMA).
+"""
+import json
+import os
+import platform
+import time
+
+
+def environment():
+    import keras
+    import tensorflow as tf
+    return {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "logical_devices": [d.name for d in tf.config.list_logical_devices()],
+        "physical_gpus": len(tf.config.list_physical_devices("GPU")),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+class RunResults:
+    def __init__(self, method, config=None, env=None, evaluations=None, **extra):
+        self.method = method
+        self.config = config or {}
+        self.environment = env if env is not None else environment()
+        self.evaluations = evaluations or []
+        self.extra = extra
+
+    def add_evaluation(self, *, epoch, iteration, examples, wall_time, accuracy, loss, **more):
+        self.evaluations.append(dict(epoch=epoch, iteration=iteration, examples=examples,
+                                     wall_time=wall_time, accuracy=accuracy, loss=loss, **more))
+
+    def time_to_accuracy(self, target):
+        """Training wall time at the first evaluation reaching TARGET, or None."""
+        hit = self.first_reaching(target)
+        return None if hit is None else hit["wall_time"]
+
+    def epochs_to_accuracy(self, target):
+        hit = self.first_reaching(target)
+        return None if hit is None else hit["epoch"]
+
+    def first_reaching(self, target):
+        for e in self.evaluations:
+            if e["accuracy"] >= target:
+                return e
+        return None
+
+    @property
+    def best_accuracy(self):
+        return max((e["accuracy"] for e in self.evaluations), default=None)
+
+    def to_dict(self):
+        return dict(method=self.method, config=self.config, environment=self.environment,
+                    evaluations=self.evaluations, **self.extra)
+
+    def save(self, path):
+        """Writes the run atomically (a crash never leaves half a file)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path):
+        with open(path) as f:
+            d = json.load(f)
+        return cls(d.pop("method"), d.pop("config"), d.pop("environment"), d.pop("evaluations"), **d)
