@@ -1,0 +1,98 @@
+"""Plain NumPy transcription of the update rules of issue 2, for a small two-layer MLP.
+
+Written from the equations, independently of crossbow_tf: its own forward pass, hand-written
+back-propagation, slicing of iterations into learners, learning-rate drops and resets.
+"""
+import numpy as np
+
+
+def mlp_loss_grads(params, x, y):
+    """Mean softmax cross-entropy of tanh-MLP logits over the examples, and its gradients."""
+    w1, b1, w2, b2 = params
+    n = len(y)
+    if n == 0:
+        return 0.0, [np.zeros_like(p) for p in params]
+    h = np.tanh(x @ w1 + b1)
+    logits = h @ w2 + b2
+    logits = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    loss = -np.log(p[np.arange(n), y]).mean()
+    dlogits = p.copy()
+    dlogits[np.arange(n), y] -= 1.0
+    dlogits /= n
+    dw2 = h.T @ dlogits
+    db2 = dlogits.sum(0)
+    dpre = (dlogits @ w2.T) * (1.0 - h ** 2)
+    dw1 = x.T @ dpre
+    db1 = dpre.sum(0)
+    return loss, [dw1, db1, dw2, db2]
+
+
+def learner_slices(num_examples, k, b, iteration):
+    """Index ranges of learner j's slice in ITERATION (consecutive slices of b, clipped at N)."""
+    start = iteration * k * b
+    return [np.arange(min(start + j * b, num_examples), min(start + (j + 1) * b, num_examples))
+            for j in range(k)]
+
+
+def lr_at(t, base, drops, factor):
+    return base * factor ** sum(t >= d for d in drops)
+
+
+def run_reference(algorithm, params0, x, y, k, b, iterations, base_lr, drops=(), factor=0.1,
+                  mu=0.9, mu_z=0.9, wd=0.0, alpha=None):
+    """Runs ITERATIONS iterations (wrapping into further epochs in the same order).
+
+    Returns (z, learners' weights).
+    """
+    n = len(y)
+    per_epoch = -(-n // (k * b))
+    z = [p.astype(np.float64).copy() for p in params0]
+    u = [np.zeros_like(p) for p in z]
+    w = [[p.copy() for p in z] for _ in range(k)]
+    v = [[np.zeros_like(p) for p in z] for _ in range(k)]
+    if alpha is None:
+        alpha = 1.0 / k if algorithm == "sma" else 0.9 / k
+    for t in range(iterations):
+        lr = lr_at(t, base_lr, drops, factor)
+        if algorithm == "sma" and t > 0 and lr < lr_at(t - 1, base_lr, drops, factor):
+            w = [[p.copy() for p in z] for _ in range(k)]
+        slices = learner_slices(n, k, b, t % per_epoch)
+        if algorithm == "ssgd":
+            total = sum(len(s) for s in slices)
+            G = [np.zeros_like(p) for p in z]
+            for s in slices:
+                _, g = mlp_loss_grads(z, x[s], y[s])
+                for i in range(len(z)):
+                    G[i] += len(s) / total * g[i]
+            for i in range(len(z)):
+                u[i] = mu * u[i] - lr * (G[i] + wd * z[i])
+                z[i] = z[i] + u[i]
+            w = [[p.copy() for p in z] for _ in range(k)]
+            continue
+        deltas = []
+        for j, s in enumerate(slices):
+            _, g = mlp_loss_grads(w[j], x[s], y[s])
+            delta_j = []
+            for i in range(len(z)):
+                if algorithm == "sma":
+                    snapshot = w[j][i].copy()
+                    gi = g[i] + wd * w[j][i]
+                    v[j][i] = mu * v[j][i] - lr * gi
+                    w[j][i] = w[j][i] + v[j][i]
+                    d = alpha * (snapshot - z[i])
+                    w[j][i] = w[j][i] - d
+                else:  # easgd
+                    d = alpha * (w[j][i] - z[i])
+                    v[j][i] = mu * v[j][i] - lr * (g[i] + wd * w[j][i])
+                    w[j][i] = w[j][i] + v[j][i] - d
+                delta_j.append(d)
+            deltas.append(delta_j)
+        for i in range(len(z)):
+            total = sum(d[i] for d in deltas)
+            if algorithm == "sma":
+                u[i] = mu_z * u[i] + total
+                z[i] = z[i] + u[i]
+            else:
+                z[i] = z[i] + total
+    return z, w

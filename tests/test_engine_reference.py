@@ -1,0 +1,104 @@
+"""The engine against a plain NumPy transcription of SMA, S-SGD and elastic averaging (issue 2)."""
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from crossbow_tf.algorithms import SMA, ElasticAveragingSGD, SynchronousSGD
+from crossbow_tf.data import from_arrays
+from crossbow_tf.distribute import CrossbowStrategy
+from crossbow_tf.engine.core import Engine
+from crossbow_tf.engine.schedule import StepSchedule
+from crossbow_tf.engine.trainer import train
+from crossbow_tf.results import RunResults
+from numpy_reference import run_reference
+
+N, FEATURES, CLASSES, B = 40, 4, 3, 4
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def small_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(5, activation="tanh"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def toy_data(seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=N).astype(np.int32)
+    return x, y
+
+
+# (devices, learners per device): k = 1, 3 and 8 over 1, 2, 3 and 4 devices.
+PLACEMENTS = [(1, 1), (1, 3), (3, 1), (1, 8), (2, 4), (4, 2)]
+HYPER = {"plain": dict(mu=0.0, mu_z=0.0, wd=0.0), "momentum_wd": dict(mu=0.9, mu_z=0.9, wd=0.01)}
+
+
+def make_algorithm(name, h):
+    if name == "sma":
+        return SMA(momentum=h["mu"], central_momentum=h["mu_z"], weight_decay=h["wd"])
+    if name == "ssgd":
+        return SynchronousSGD(momentum=h["mu"], weight_decay=h["wd"])
+    return ElasticAveragingSGD(momentum=h["mu"], weight_decay=h["wd"])
+
+
+def run_engine(algorithm, devices, m, iterations_wanted, base_lr, drops):
+    x, y = toy_data()
+    model = small_mlp()
+    params0 = [v.numpy() for v in model.trainable_variables]
+    strategy = CrossbowStrategy(devices=devices, learners_per_device=m)
+    engine = Engine(model, LOSS, algorithm, strategy)
+    k = strategy.num_learners
+    per_epoch = math.ceil(N / (k * B))
+    epochs = math.ceil(iterations_wanted / per_epoch)
+    data = from_arrays("toy", (x, y), (x, y), num_classes=CLASSES)
+    train(engine, data, B, epochs, StepSchedule(base_lr, drops, 0.1), RunResults("t", env={}),
+          shuffle=False, log=lambda *a: None)
+    return engine, params0, x, y, k, epochs * per_epoch
+
+
+@pytest.mark.parametrize("algorithm", ["sma", "ssgd", "easgd"])
+@pytest.mark.parametrize("hyper", sorted(HYPER))
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: f"D{p[0]}xm{p[1]}")
+def test_engine_matches_numpy_reference(algorithm, hyper, placement, cpu_devices):
+    num_devices, m = placement
+    h = HYPER[hyper]
+    drops = [3]   # a learning-rate drop at iteration 3: SMA resets its learners to z there
+    engine, params0, x, y, k, iterations = run_engine(
+        make_algorithm(algorithm, h), cpu_devices[:num_devices], m, 6, 0.1, drops)
+    assert iterations >= 5
+    z_ref, w_ref = run_reference(algorithm, params0, x, y, k, B, iterations, 0.1, drops, 0.1,
+                                 mu=h["mu"], mu_z=h["mu_z"], wd=h["wd"])
+    for got, want in zip(engine.center_weights(), z_ref):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for j, (got_j, want_j) in enumerate(zip(engine.learner_weights(), w_ref)):
+        for got, want in zip(got_j, want_j):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"learner {j}")
+    # The run must have moved z well beyond the tolerance, or the comparison proves nothing.
+    assert max(np.abs(a - b).max() for a, b in zip(z_ref, params0)) > 1e-2
+
+
+def test_reference_detects_a_wrong_rule(cpu_devices):
+    """The comparison has teeth: a rule with the correction's sign flipped does not match."""
+    class WrongSMA(SMA):
+        def local(self, w, v, g, z, lr, share=None):
+            v = self.momentum * v - lr * (g + self.weight_decay * w)
+            delta = self.alpha * (w - z)
+            return w + v + delta, v, delta
+
+    engine, params0, x, y, k, iterations = run_engine(WrongSMA(), cpu_devices[:2], 2, 6, 0.1, [])
+    z_ref, _ = run_reference("sma", params0, x, y, k, B, iterations, 0.1)
+    assert max(np.abs(a - b).max() for a, b in zip(engine.center_weights(), z_ref)) > 1e-4
+
+
+def test_learning_rate_drop_resets_sma_learners_to_center(cpu_devices):
+    """Right after a drop every learner starts from z, so with one learner w and z agree there."""
+    engine, *_ = run_engine(SMA(momentum=0.0, central_momentum=0.0), cpu_devices[:1], 2, 3, 0.1, [])
+    learners = engine.learner_weights()
+    assert max(np.abs(a - b).max() for a, b in zip(learners[0], engine.center_weights())) > 1e-6
+    engine.reset_learners()
+    for learner in engine.learner_weights():
+        for a, b in zip(learner, engine.center_weights()):
+            np.testing.assert_array_equal(a, b)

@@ -1,0 +1,111 @@
+"""Images/s of SMA with k learners of batch b against plain Keras at batch k*b and at batch b.
+
+Every configuration is measured side by side in the same process, interleaved over several
+rounds, and the median is reported, so that a shared, noisy machine affects all alike. Each
+measurement is one epoch over the embedded MNIST training set (4,000 images) through the same
+tf.data pipeline, after one warm-up epoch that absorbs tracing.
+
+    python tools/bench_throughput.py                 # LeNet, b=16, k in 1 2 4 8 16
+    python tools/bench_throughput.py --ks 1 8 --rounds 5 --devices 2
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="lenet")
+    p.add_argument("--batch-size", type=int, default=16, help="per-learner batch b")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="numbers of learners k")
+    p.add_argument("--devices", type=int, default=1, help="logical CPU devices the learners are spread over")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median reported)")
+    p.add_argument("--learners", default="replicated", choices=["replicated"],
+                   help="how a device runs its learners")
+    args = p.parse_args(argv)
+    bad = [k for k in args.ks if k < 1 or k % args.devices]
+    if bad:
+        p.error(f"--ks {bad[0]} is not a positive multiple of --devices {args.devices}")
+    if args.rounds < 1 or args.batch_size < 1:
+        p.error("--rounds and --batch-size must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from crossbow_tf.distribute.devices import split_cpu
+    devices = split_cpu(args.devices)
+    import keras
+    import numpy as np
+
+    from crossbow_tf.algorithms import SMA
+    from crossbow_tf.data import load_dataset
+    from crossbow_tf.data.pipeline import train_batches
+    from crossbow_tf.distribute import CrossbowStrategy
+    from crossbow_tf.engine.core import Engine
+    from crossbow_tf.models import build_model
+
+    data = load_dataset("mnist_embedded")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    b = args.batch_size
+
+    def fresh_model():
+        keras.utils.set_random_seed(0)
+        return build_model(args.model, data.input_shape, data.num_classes)
+
+    def keras_runner(batch):
+        model = fresh_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
+        ds = data.train.dataset.batch(batch).prefetch(-1)
+        model.fit(ds, epochs=1, verbose=0, shuffle=False)           # warm-up: traces the step
+
+        def epoch():
+            start = time.perf_counter()
+            model.fit(ds, epochs=1, verbose=0, shuffle=False)
+            return data.train.size / (time.perf_counter() - start)
+        return epoch
+
+    def sma_runner(k):
+        strategy = CrossbowStrategy(devices=devices, learners_per_device=k // len(devices))
+        engine = Engine(fresh_model(), loss, SMA(), strategy)
+
+        def one_epoch(epoch):
+            for x, y, mask in train_batches(data.train, k * b, epoch, shuffle=False):
+                engine.train_step(x, y, mask, 0.01)
+        one_epoch(0)
+
+        def epoch():
+            start = time.perf_counter()
+            one_epoch(1)
+            return data.train.size / (time.perf_counter() - start)
+        return epoch
+
+    runners = {("keras", b): keras_runner(b)}
+    for k in args.ks:
+        runners.setdefault(("keras", k * b), keras_runner(k * b))
+        runners[("sma", k)] = sma_runner(k)
+    samples = {key: [] for key in runners}
+    for r in range(args.rounds):
+        for key, run in runners.items():
+            samples[key].append(run())
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    med = {key: statistics.median(v) for key, v in samples.items()}
+
+    print(f"# {args.model}, per-learner batch b={b}, {len(devices)} logical CPU device(s), "
+          f"{args.learners} learners, median of {args.rounds} interleaved rounds (images/s)\n")
+    print(f"| k | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) |")
+    print("|---|---|---|---|---|---|")
+    for k in args.ks:
+        sma, big, small = med[("sma", k)], med[("keras", k * b)], med[("keras", b)]
+        print(f"| {k} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} |")
+    spread = max((max(v) - min(v)) / statistics.median(v) for v in samples.values())
+    print(f"\nlargest spread across rounds (max-min)/median: {spread:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
