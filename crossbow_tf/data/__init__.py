@@ -1,5 +1,7 @@
 """Data sets by name: each loader returns a DataSource (see source.py)."""
+from crossbow_tf.data.cifar import load_cifar10, load_cifar100
 from crossbow_tf.data.embedded import load_embedded_mnist
+from crossbow_tf.data.imagenet import load_imagenet
 from crossbow_tf.data.mnist import load_mnist, to_model_input
 from crossbow_tf.data.source import DataSource, Split, from_arrays
 from crossbow_tf.errors import ConfigError, DataError
@@ -16,7 +18,8 @@ def _mnist(data_dir=None):
     return from_arrays("mnist", (to_model_input(x), y), (to_model_input(xt), yt), num_classes=10)
 
 
-DATASETS = {"mnist_embedded": _mnist_embedded, "mnist": _mnist}
+DATASETS = {"mnist_embedded": _mnist_embedded, "mnist": _mnist, "cifar10": load_cifar10,
+            "cifar100": load_cifar100, "imagenet": load_imagenet}
 
 
 def load_dataset(name, data_dir=None):
@@ -29,4 +32,4 @@ def load_dataset(name, data_dir=None):
 
 
 __all__ = ["DATASETS", "DataSource", "Split", "from_arrays", "load_dataset", "load_mnist",
-           "load_embedded_mnist"]
+           "load_embedded_mnist", "load_cifar10", "load_cifar100", "load_imagenet"]

@@ -33,11 +33,24 @@ def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
     The epoch's order is a shuffle seeded by (SEED, EPOCH): the same seed gives the same order.
     """
     ds = split.dataset
-    if shuffle:
+    epoch_seed = seed * 100_003 + epoch
+    sharded_shuffle = getattr(split, "shuffled", None)
+    if shuffle and sharded_shuffle is not None:
+        # Sharded splits too large to shuffle whole (ImageNet) shuffle shard order, then a window.
+        ds = sharded_shuffle(epoch_seed, shuffle_buffer)
+    elif shuffle:
         buffer = shuffle_buffer or split.size
-        ds = ds.shuffle(buffer, seed=seed * 100_003 + epoch, reshuffle_each_iteration=False)
+        ds = ds.shuffle(buffer, seed=epoch_seed, reshuffle_each_iteration=False)
     if map_fn is not None:
-        ds = ds.map(map_fn, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+        if getattr(map_fn, "needs_seed", False):
+            # Random augmentation draws from stateless ops seeded by (epoch seed, position in the
+            # epoch), so parallel map calls cannot change which example gets which crop or flip.
+            positions = tf.data.Dataset.counter()
+            ds = tf.data.Dataset.zip((ds, positions)).map(
+                lambda example, i: map_fn(*example, tf.stack([tf.constant(epoch_seed, tf.int64), i])),
+                num_parallel_calls=AUTOTUNE, deterministic=deterministic)
+        else:
+            ds = ds.map(map_fn, num_parallel_calls=AUTOTUNE, deterministic=deterministic)
     ds = ds.batch(global_batch).map(_pad_to(global_batch), num_parallel_calls=AUTOTUNE)
     return ds.prefetch(AUTOTUNE)
 
