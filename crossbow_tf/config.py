@@ -37,13 +37,23 @@ class LearningRateConfig:
 
 
 @dataclasses.dataclass
+class AutotuneConfig:
+    """How learners_per_device: auto measures (Crossbow's rule, crossbow_tf.engine.autotune)."""
+    threshold: float = 0.10                 # add a learner per device while images/s gain more than this
+    max_learners_per_device: int = 16
+    warmup_iterations: int = 2              # untimed: tracing and first-run allocation
+    measure_iterations: int = 10            # timed one by one; their median counts
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     name: str = "experiment"
     model: str = "lenet"
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
-    learners_per_device: int = 1
+    learners_per_device: typing.Union[int, str] = 1   # m, or "auto": measured before training
+    autotune: AutotuneConfig = dataclasses.field(default_factory=AutotuneConfig)
     batch_size: int = 16                     # b: the batch of one learner
     learning_rate: LearningRateConfig = dataclasses.field(default_factory=LearningRateConfig)
     epochs: int = 10
@@ -117,8 +127,18 @@ def _validate(c):
             raise ConfigError(message)
     need(c.algorithm.name in ("sma", "ssgd", "easgd"),
          f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose sma, ssgd or easgd")
-    need(c.learners_per_device >= 1,
-         f"learners_per_device: must be at least 1, got {c.learners_per_device}")
+    need(c.learners_per_device == "auto"
+         or (isinstance(c.learners_per_device, int) and c.learners_per_device >= 1),
+         f"learners_per_device: must be a positive integer or \"auto\", got {c.learners_per_device!r}")
+    t = c.autotune
+    need(0 <= t.threshold < 1,   # a percentage written as 10 would silently mean 1000%
+         f"autotune.threshold: must be a fraction in [0, 1) (0.1 is 10%), got {t.threshold}")
+    need(t.max_learners_per_device >= 1,
+         f"autotune.max_learners_per_device: must be at least 1, got {t.max_learners_per_device}")
+    need(t.warmup_iterations >= 1,
+         f"autotune.warmup_iterations: must be at least 1 (the first iteration traces), got {t.warmup_iterations}")
+    need(t.measure_iterations >= 1,
+         f"autotune.measure_iterations: must be at least 1, got {t.measure_iterations}")
     need(c.batch_size >= 1, f"batch_size: must be at least 1, got {c.batch_size}")
     need(c.epochs >= 1, f"epochs: must be at least 1, got {c.epochs}")
     need(c.eval_batch_size >= 1, f"eval_batch_size: must be at least 1, got {c.eval_batch_size}")

@@ -4,7 +4,7 @@ import time
 
 from crossbow_tf.algorithms import ALGORITHMS
 from crossbow_tf.distribute import CrossbowStrategy
-from crossbow_tf.distribute.devices import split_cpu
+from crossbow_tf.distribute.devices import default_devices, split_cpu
 
 
 def make_algorithm(cfg):
@@ -15,20 +15,51 @@ def make_algorithm(cfg):
     return cls(**kwargs)
 
 
-def make_strategy(cfg):
+def make_devices(cfg):
+    """CFG's device names (splitting the CPU first when asked); call before TensorFlow runs anything."""
     import tensorflow as tf
     if cfg.devices.logical_cpu and not tf.config.list_physical_devices("GPU"):
         split_cpu(cfg.devices.logical_cpu)
-    return CrossbowStrategy(learners_per_device=cfg.learners_per_device,
+    if not cfg.devices.logical_cpu:
+        return default_devices()
+    return [d.name for d in tf.config.list_logical_devices(
+        "GPU" if tf.config.list_physical_devices("GPU") else "CPU")]
+
+
+def make_strategy(cfg, devices=None, learners_per_device=None):
+    """CFG's strategy; LEARNERS_PER_DEVICE replaces cfg's (needed when cfg says "auto")."""
+    return CrossbowStrategy(learners_per_device=learners_per_device or cfg.learners_per_device,
                             cross_device_reduction=cfg.devices.cross_device_reduction,
-                            devices=None if not cfg.devices.logical_cpu else
-                            [d.name for d in tf.config.list_logical_devices(
-                                "GPU" if tf.config.list_physical_devices("GPU") else "CPU")])
+                            devices=devices if devices is not None else make_devices(cfg))
+
+
+def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwargs):
+    """Crossbow's auto-tuning of learners per device for CFG on DEVICES; returns a TuningResult."""
+    import keras
+
+    from crossbow_tf.engine.autotune import autotune_learners
+    from crossbow_tf.models import build_model
+
+    def fresh_model():
+        keras.utils.set_random_seed(cfg.seed)
+        return build_model(cfg.model, data.input_shape, data.num_classes)
+
+    t = cfg.autotune
+    log(f"auto-tuning learners per device on {len(devices)} device(s): adding one while images/s "
+        f"gain more than {t.threshold:.0%} (at most {t.max_learners_per_device})")
+    tuning = autotune_learners(fresh_model, loss, algorithm, devices, data.train, cfg.batch_size,
+                               threshold=t.threshold, max_learners=t.max_learners_per_device,
+                               warmup_iterations=t.warmup_iterations, measure_iterations=t.measure_iterations,
+                               learning_rate=cfg.learning_rate.base,
+                               cross_device_reduction=cfg.devices.cross_device_reduction,
+                               map_fn=data.train_map, seed=cfg.seed, **engine_kwargs)
+    log(tuning.summary())
+    return tuning
 
 
 def run_experiment(cfg, log=print):
     """Trains CFG's model with its algorithm; returns RunResults."""
-    strategy = make_strategy(cfg)   # first: it fixes TensorFlow's device list
+    devices = make_devices(cfg)   # first: it fixes TensorFlow's device list
     import keras
 
     from crossbow_tf.config import to_dict
@@ -41,11 +72,17 @@ def run_experiment(cfg, log=print):
     from crossbow_tf.results import RunResults
 
     data = load_dataset(cfg.data.name, cfg.data.data_dir)
-    keras.utils.set_random_seed(cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
-    engine = Engine(model, loss, algorithm, strategy, jit_compile=cfg.jit_compile)
+    engine_kwargs = dict(jit_compile=cfg.jit_compile)   # the tuner measures the Engine that will train
+    tuning = None
+    if cfg.learners_per_device == "auto":
+        tuning = tune_learners(cfg, devices, data, loss, algorithm, log=log, **engine_kwargs)
+    strategy = make_strategy(cfg, devices, tuning.chosen if tuning else None)
+    # Seeded after tuning, which draws random numbers: the run is the one a fixed m would give.
+    keras.utils.set_random_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    engine = Engine(model, loss, algorithm, strategy, **engine_kwargs)
     global_batch = strategy.num_learners * cfg.batch_size
     per_epoch = iterations_per_epoch(data.train.size, global_batch)
     lr = cfg.learning_rate
@@ -56,6 +93,8 @@ def run_experiment(cfg, log=print):
         f"{per_epoch} iterations per epoch, cross-device reduction: {strategy.reduction_name}")
     results = RunResults(engine.algorithm.name, to_dict(cfg), devices=strategy.devices,
                          num_learners=strategy.num_learners)
+    if tuning is not None:
+        results.extra["autotune"] = tuning.to_dict()
     start = time.perf_counter()
     train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
           target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,

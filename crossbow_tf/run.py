@@ -13,12 +13,21 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                               "configs", "lenet_mnist_embedded.yaml")
 
 
+def _int_or_word(text):
+    # Anything else goes through to the config's validation, which names the key in one line.
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m crossbow_tf.run", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML experiment (default: %(default)s)")
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir)")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
-    p.add_argument("--learners-per-device", type=int, help="override learners per device (m)")
+    p.add_argument("--learners-per-device", type=_int_or_word, metavar="M|auto",
+                   help="override learners per device (m), or auto: measure and choose before training")
     p.add_argument("--logical-cpu-devices", type=int, help="override the number of logical CPU devices")
     p.add_argument("--seed", type=int, help="override the seed")
     p.add_argument("--results", help="write the run's results (JSON) to this new file")
