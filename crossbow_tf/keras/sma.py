@@ -1,0 +1,388 @@
+"""Train a compiled Keras model with SMA (or S-SGD, EASGD) through the model's own ``fit``.
+
+``use_sma`` attaches a ``CrossbowTraining`` to the user's model object and routes the model's
+training step through the engine: one Keras step is one Crossbow iteration of all k learners and
+the synchronisation. The model object itself keeps being the user's (same class, same variables) and
+holds the central model z after every step, so Keras's evaluate, predict, save, validation and
+callbacks all see z without knowing about learners.
+"""
+import math
+import os
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, SynchronousSGD
+from crossbow_tf.distribute.strategy import CrossbowStrategy
+from crossbow_tf.engine.core import Engine
+from crossbow_tf.engine.replicated import ReplicatedLearners
+from crossbow_tf.keras import data as data_lib
+from crossbow_tf.keras.structure import CompiledLoss, Packer, PackedModel, check_compiled_loss
+
+ALGORITHMS = ("sma", "ssgd", "easgd")
+STATE_SUFFIX = ".crossbow.npz"
+_ATTRIBUTE = "_crossbow_training"
+_PATCHED = ("fit", "train_step", "train_on_batch", "make_train_function", "save_weights", "load_weights")
+# Keras optimizer features that change the update in ways the SMA rules do not express.
+_UNSUPPORTED_OPTIMIZER_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps",
+                                  "loss_scale_factor", "use_ema")
+
+
+def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None):
+    """The update rule for ALGORITHM with the learner momentum and weight decay of a Keras SGD."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if optimizer is None:
+        raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
+                         "loss=...) first")
+    if type(optimizer) is not keras.optimizers.SGD:
+        raise ValueError(
+            f"{algorithm.upper()} needs the model compiled with keras.optimizers.SGD (it supplies the learning "
+            f"rate and the learner momentum); {type(optimizer).__name__} is not SMA-capable because its update "
+            "rule is not the momentum SGD that SMA's learners run")
+    for option in _UNSUPPORTED_OPTIMIZER_OPTIONS:
+        if getattr(optimizer, option, None):
+            raise ValueError(f"SGD({option}={getattr(optimizer, option)!r}) is not supported by Crossbow "
+                             "training; remove the option")
+    if optimizer.nesterov:
+        raise ValueError("SGD(nesterov=True) is not supported by Crossbow training: its learners use plain momentum")
+    if getattr(optimizer, "_exclude_from_weight_decay", None) or \
+            getattr(optimizer, "_exclude_from_weight_decay_pattern", None):
+        raise ValueError("SGD.exclude_from_weight_decay() is not supported: the weight decay applies to "
+                         "every trainable weight")
+    momentum = float(optimizer.momentum)
+    sgd_decay = float(optimizer.weight_decay or 0.0)
+    if weight_decay is None:
+        weight_decay = sgd_decay
+    elif sgd_decay and float(weight_decay) != sgd_decay:
+        raise ValueError(f"weight_decay={weight_decay} conflicts with the optimizer's "
+                         f"SGD(weight_decay={sgd_decay}); set it in one place")
+    weight_decay = float(weight_decay)
+    if algorithm == "sma":
+        return SMA(alpha=alpha, momentum=momentum,
+                   central_momentum=0.9 if central_momentum is None else float(central_momentum),
+                   weight_decay=weight_decay)
+    if central_momentum is not None:
+        raise ValueError(f"central_momentum applies to SMA only, not to {algorithm!r}")
+    if algorithm == "ssgd":
+        if alpha is not None:
+            raise ValueError("alpha applies to SMA and EASGD, not to synchronous SGD")
+        return SynchronousSGD(momentum=momentum, weight_decay=weight_decay)
+    return ElasticAveragingSGD(alpha=alpha, momentum=momentum, weight_decay=weight_decay)
+
+
+def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
+            reset_on_lr_drop=True, jit_compile=False):
+    """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
+
+    Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
+    MODEL itself. From then on ``model.fit(..., batch_size=b)`` runs k = strategy.num_learners
+    learners of b examples each per step, and MODEL holds the central average model z.
+
+    Args:
+      model: a built, compiled Keras model (Sequential, Functional or subclassed).
+      strategy: a CrossbowStrategy (devices x learners per device); default: one learner per device
+        of ``CrossbowStrategy()``.
+      algorithm: "sma" (default), "ssgd" (Crossbow's synchronous SGD) or "easgd" (elastic averaging).
+      alpha: SMA/EASGD correction factor; None means 1/k (SMA) or 0.9/k (EASGD).
+      central_momentum: mu_z of SMA; None means 0.9.
+      weight_decay: lambda, added to every gradient as lambda*w; None takes SGD(weight_decay=...).
+      reset_on_lr_drop: SMA resets every learner to z when the learning rate falls from one
+        iteration to the next (Crossbow's rule for step schedules).
+      jit_compile: compile the engine's step with XLA (slower on CPU).
+    """
+    if strategy is None:
+        strategy = CrossbowStrategy()
+    if not isinstance(strategy, CrossbowStrategy):
+        raise ValueError(f"strategy must be a crossbow_tf.CrossbowStrategy, got {type(strategy).__name__}")
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"use_sma needs a keras.Model, got {type(model).__name__}")
+    if not model.built:
+        raise ValueError(f"model {model.name!r} was never built, so it has no weights to replicate: give it a "
+                         "keras.Input, call model.build(input_shape) or call it on a batch first")
+    if not model.trainable_variables:
+        raise ValueError(f"model {model.name!r} has no trainable weights")
+    if not getattr(model, "compiled", False):
+        raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
+                         "loss=...) first")
+    rule = algorithm_from_optimizer(model.optimizer, algorithm, alpha, central_momentum, weight_decay)
+    check_compiled_loss(model)
+    detach(model)
+    training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile)
+    setattr(model, _ATTRIBUTE, training)
+    for name in _PATCHED:
+        setattr(model, name, getattr(training, name))
+    model.train_function = None
+    return model
+
+
+def detach(model):
+    """Undoes ``use_sma``: MODEL trains with its own optimizer again (it keeps z as its weights)."""
+    if getattr(model, _ATTRIBUTE, None) is None:
+        return model
+    for name in _PATCHED:
+        model.__dict__.pop(name, None)
+    model.__dict__.pop(_ATTRIBUTE, None)
+    model.train_function = None
+    return model
+
+
+def get_training(model):
+    """The CrossbowTraining that ``use_sma`` attached to MODEL (engine, strategy, algorithm)."""
+    training = getattr(model, _ATTRIBUTE, None)
+    if training is None:
+        raise ValueError(f"model {model.name!r} is not set up for Crossbow training: call use_sma first")
+    return training
+
+
+class _Synchronise(keras.callbacks.Callback):
+    """Runs after the user's callbacks' on_train_begin (BackupAndRestore may have loaded weights)."""
+
+    def __init__(self, training):
+        super().__init__()
+        self.training = training
+
+    def on_train_begin(self, logs=None):
+        self.training.adopt_model_weights()
+
+
+class CrossbowTraining:
+    """The learners, the synchronisation and their hook into one Keras model's training."""
+
+    def __init__(self, model, strategy, algorithm, reset_on_lr_drop=True, jit_compile=False):
+        self.model = model
+        self.strategy = strategy
+        self.loss = CompiledLoss(model)
+        # Keras restores optimizer state only when the saved and the live optimizer hold the same
+        # variables; building now makes BackupAndRestore's files agree across processes.
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        self.engine = Engine(model, self.loss, algorithm, strategy, jit_compile=jit_compile)
+        self.algorithm = self.engine.algorithm
+        self.reset_on_lr_drop = bool(reset_on_lr_drop and self.algorithm.reset_on_lr_drop)
+        # 0 means "no iteration yet": a learning rate is never below it, so the first step never resets.
+        self.previous_lr = tf.Variable(0.0, trainable=False, name="crossbow_previous_lr")
+        self.resets = tf.Variable(0, dtype=tf.int64, trainable=False, name="crossbow_resets")
+        self.global_batch = None
+        self._traced_batch = None
+        self._prepared = False
+        self._packers = None
+        self._backup_paths = set()
+        self._algorithm_args = _optimizer_signature(model.optimizer)
+
+    @property
+    def num_learners(self):
+        return self.strategy.num_learners
+
+    # ----------------------------------------------------------------------------------- the step
+    def train_step(self, data):
+        model = self.model
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ValueError("sample weights are not supported by Crossbow training: every real example "
+                             "weighs the same in the learners' losses")
+        if y is None:
+            raise ValueError("Crossbow training needs targets y for the compiled loss")
+        first = next(leaf for leaf in tree.flatten(x) if leaf is not None)
+        global_batch = self._global_batch_for(first)
+        n = tf.shape(first)[0]
+        fits = tf.debugging.assert_less_equal(
+            n, global_batch, message=f"a training batch holds more than k*b = {global_batch} examples; "
+                                     "every batch of a dataset or generator must have the size of its first")
+        with tf.control_dependencies([fits]):
+            index = tf.range(global_batch) % n
+        # Padding repeats the iteration's own examples; the mask keeps them out of losses and metrics.
+        x_pad = tree.map_structure(lambda t: tf.gather(t, index), x)
+        y_pad = tree.map_structure(lambda t: tf.gather(t, index), y)
+        mask = tf.cast(tf.range(global_batch) < n, tf.float32)
+        self._prepare(x_pad, y_pad)
+        if self._packers is None:
+            x_in, y_in = x_pad, y_pad
+        else:
+            x_in, y_in = self._packers[0].pack(x_pad), self._packers[1].pack(y_pad)
+
+        lr = tf.cast(tf.convert_to_tensor(model.optimizer.learning_rate), tf.float32)
+        if self.reset_on_lr_drop:
+            tf.cond(lr < self.previous_lr, self._reset_learners, lambda: tf.constant(False))
+        self.previous_lr.assign(lr)
+        loss, predictions = self.engine._step(x_in, y_in, mask, lr)
+        self.engine.write_center_to_model()
+        model.optimizer.iterations.assign_add(1)
+
+        if self._packers is not None:
+            predictions = self._packers[2].unpack(predictions)
+        # Padding rows come last; compiled `metrics` ignore sample weights, so they are cut off.
+        predictions = tree.map_structure(lambda t: t[:n], predictions)
+        real = tf.cast(n, tf.float32)
+        model._loss_tracker.update_state(loss, sample_weight=real)
+        output_metrics = self.loss.output_metrics
+        if output_metrics:
+            for metric, values in zip(output_metrics, self.loss.per_output(y, predictions)):
+                metric.update_state(tf.reduce_mean(values), sample_weight=real)
+        return model.compute_metrics(x, y, predictions)
+
+    def _reset_learners(self):
+        self.engine.reset_learners()
+        self.resets.assign_add(1)
+        return tf.constant(True)
+
+    def _global_batch_for(self, first):
+        if self.global_batch is not None:
+            return self.global_batch
+        n = first.shape[0]
+        if n is None:
+            raise ValueError("train_on_batch needs a batch of known size")
+        return self.num_learners * math.ceil(n / self.num_learners)
+
+    def _prepare(self, x, y):
+        """Resolves the loss structure (and packing of nested data) once, at the first trace."""
+        if self._prepared:
+            return
+        spec = tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), x)
+        y_pred = self.model.compute_output_spec(spec)
+        self.loss.build(y, y_pred)
+        if tree.is_nested(x) or tree.is_nested(y) or tree.is_nested(y_pred):
+            # The engine slices single tensors; nested inputs and outputs travel packed.
+            self._packers = (Packer(x), Packer(y), Packer(y_pred, differentiable=True))
+            packed = PackedModel(self.model, self._packers[0], self._packers[2])
+            self.engine.learners = ReplicatedLearners(packed, self._packed_loss)
+        self._prepared = True
+
+    def _packed_loss(self, y, y_pred):
+        return self.loss(self._packers[1].unpack(y), self._packers[2].unpack(y_pred))
+
+    # ------------------------------------------------------------------------------ Keras entry points
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, sample_weight=None,
+            **kwargs):
+        """Keras's fit with batch_size = the per-learner batch b (see docs/keras.md)."""
+        if class_weight is not None or sample_weight is not None:
+            raise ValueError("class_weight and sample_weight are not supported by Crossbow training")
+        self._check_optimizer_unchanged()
+        x, keras_batch_size, b = data_lib.group_for_learners(x, batch_size, self.num_learners)
+        self._use_global_batch(self.num_learners * b)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            raise ValueError("pass callbacks as a list, not a CallbackList")
+        callbacks = list(callbacks or [])
+        self._backup_paths = {os.path.abspath(cb._weights_path) for cb in callbacks
+                              if isinstance(cb, keras.callbacks.BackupAndRestore)}
+        callbacks.append(_Synchronise(self))
+        try:
+            return type(self.model).fit(
+                self.model, x=x, y=y, batch_size=keras_batch_size, epochs=epochs, verbose=verbose,
+                callbacks=callbacks, validation_split=validation_split, validation_data=validation_data,
+                shuffle=shuffle, **kwargs)
+        finally:
+            self._backup_paths = set()
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """One iteration on a global batch of x (cut into k slices, padded to a multiple of k)."""
+        self._check_optimizer_unchanged()
+        n = len(tree.flatten(x)[0])
+        self._use_global_batch(self.num_learners * math.ceil(n / self.num_learners))
+        self.adopt_model_weights()
+        return type(self.model).train_on_batch(self.model, x, y, sample_weight=sample_weight,
+                                               class_weight=class_weight, return_dict=return_dict)
+
+    def make_train_function(self, force=False):
+        # The engine has its own jit switch; XLA around its cross-device step is not supported.
+        model = self.model
+        saved = model._jit_compile
+        model._jit_compile = False
+        try:
+            return type(model).make_train_function(model, force=force)
+        finally:
+            model._jit_compile = saved
+
+    def _use_global_batch(self, global_batch):
+        # The step pads to a static k*b baked into the traced function: a new b needs a new trace.
+        if global_batch != self._traced_batch:
+            self.model.train_function = None
+            self._traced_batch = global_batch
+        self.global_batch = global_batch
+
+    def _check_optimizer_unchanged(self):
+        if _optimizer_signature(self.model.optimizer) != self._algorithm_args:
+            raise ValueError("the model was recompiled with a different optimizer after use_sma; "
+                             "call crossbow_tf.keras.use_sma(model, strategy) again")
+
+    # ----------------------------------------------------------------------- z, learners and the model
+    def adopt_model_weights(self):
+        """Starts the learners from the model's weights if they are no longer z (set_weights, loading)."""
+        engine, model = self.engine, self.model
+        current = [v.numpy() for v in model.trainable_variables]
+        states = [v.numpy() for v in model.non_trainable_variables]
+        center = engine.center_weights()
+        center_states = [s.numpy() for s in engine.center_states[0]]
+        same = all(np.array_equal(a, b) for a, b in zip(current, center)) and all(
+            np.array_equal(a, b) for a, b, f in zip(states, center_states, engine._float_state) if f)
+        if same:
+            return False
+        m = self.strategy.learners_per_device
+        for d in range(self.strategy.num_devices):
+            for i, w in enumerate(current):
+                engine.center[d][i].assign(w)
+                engine.center_velocity[d][i].assign(np.zeros_like(w))
+                if engine.weights:
+                    engine.weights[d][i].assign(np.stack([w] * m))
+                    engine.velocities[d][i].assign(np.zeros((m,) + w.shape, w.dtype))
+            for i, (s, f) in enumerate(zip(states, engine._float_state)):
+                if f:
+                    engine.center_states[d][i].assign(s)
+                    engine.states[d][i].assign(np.stack([s] * m))
+        self.previous_lr.assign(0.0)
+        return True
+
+    def learner_weights(self):
+        """Every learner's trainable weights (list over learners of lists of arrays)."""
+        return self.engine.learner_weights()
+
+    def center_weights(self):
+        return self.engine.center_weights()
+
+    def state_variables(self):
+        """Every variable of the learners and z (all devices), in a fixed order."""
+        e = self.engine
+        groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states)
+        return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
+
+    def save_state(self, path):
+        np.savez(path, *[v.numpy() for v in self.state_variables()])
+
+    def load_state(self, path):
+        """Restores the learners and z saved by ``save_state`` if they belong to the model's current z."""
+        variables = self.state_variables()
+        with np.load(path) as f:
+            arrays = [f[f"arr_{i}"] for i in range(len(f.files))]
+        if len(arrays) != len(variables) or any(a.shape != tuple(v.shape) for a, v in zip(arrays, variables)):
+            warnings.warn(f"{path} does not match this model and strategy; learners restart from the model's weights")
+            return False
+        saved_center = arrays[:len(self.engine.center[0])]
+        if not all(np.array_equal(a, v.numpy()) for a, v in zip(saved_center, self.model.trainable_variables)):
+            warnings.warn(f"{path} belongs to other weights than the ones just loaded; learners restart from them")
+            return False
+        for v, a in zip(variables, arrays):
+            v.assign(a)
+        return True
+
+    # BackupAndRestore saves and loads through these; its files then carry the learners as well.
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        result = type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
+        if os.path.abspath(str(filepath)) in self._backup_paths:
+            self.save_state(str(filepath) + STATE_SUFFIX)
+        return result
+
+    def load_weights(self, filepath, **kwargs):
+        result = type(self.model).load_weights(self.model, filepath, **kwargs)
+        state = str(filepath) + STATE_SUFFIX
+        if os.path.abspath(str(filepath)) in self._backup_paths and os.path.exists(state):
+            self.load_state(state)
+        return result
+
+
+def _optimizer_signature(optimizer):
+    return (id(optimizer), type(optimizer).__name__, getattr(optimizer, "momentum", None),
+            getattr(optimizer, "nesterov", None), getattr(optimizer, "weight_decay", None))
