@@ -25,7 +25,10 @@ def test_default_command_reaches_its_target(tmp_path):
     assert "images/s" in proc.stdout
     results = json.loads(results_path.read_text())
     assert results["method"] == "sma"
-    assert results["num_learners"] == 8
+    tuned = results["autotune"]   # learners_per_device: auto measures m = 1, 2, ... before training
+    assert tuned["chosen"] >= 1 and results["num_learners"] == 2 * tuned["chosen"]
+    assert all(tuned["curve"][str(m)] > 0 for m in range(1, tuned["chosen"] + 1))
+    assert f"auto-tuned learners per device: chose m={tuned['chosen']}" in proc.stdout
     assert len(results["devices"]) == 2
     assert results["evaluations"][-1]["accuracy"] >= 0.96
     walls = [e["wall_time"] for e in results["evaluations"]]
@@ -35,7 +38,7 @@ def test_default_command_reaches_its_target(tmp_path):
 def test_default_config_file_is_valid():
     cfg = config_lib.load_config(DEFAULT_CONFIG)
     assert cfg.model == "lenet" and cfg.data.name == "mnist_embedded" and cfg.target_accuracy == 0.96
-    assert cfg.devices.logical_cpu > 1 and cfg.learners_per_device > 1
+    assert cfg.devices.logical_cpu > 1 and cfg.learners_per_device == "auto"
 
 
 @pytest.mark.parametrize("text, message", [
