@@ -1,0 +1,139 @@
+"""Command line and YAML loading shared by the baselines.
+
+Imports neither TensorFlow nor crossbow's engine: tf_ssgd uses it too.
+
+A baseline reads the same experiment YAML as ``python -m crossbow_tf.run``; top-level sections that
+belong to tools and baselines (baselines.TOOL_SECTIONS: ``compare``, ``sweep``, ``tf_ssgd``) are set
+aside before crossbow_tf.config validates the rest, so one file can describe a whole comparison.
+"""
+import argparse
+import os
+import sys
+
+import yaml
+
+from baselines import TOOL_SECTIONS
+from crossbow_tf import config as config_lib
+from crossbow_tf.errors import ConfigError, CrossbowError
+
+
+def read_yaml(path):
+    """The mapping in YAML file PATH (PyYAML's safe loader); ConfigError names the problem."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        with open(path) as f:
+            mapping = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(mapping).__name__}")
+    return mapping
+
+
+def split_sections(mapping):
+    """(experiment mapping, {section: mapping}) with the tool sections taken out."""
+    experiment = {k: v for k, v in mapping.items() if k not in TOOL_SECTIONS}
+    sections = {}
+    for name in TOOL_SECTIONS:
+        value = mapping.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        sections[name] = value or {}
+    return experiment, sections
+
+
+def load(path):
+    """(ExperimentConfig, tool sections) from the YAML file at PATH."""
+    experiment, sections = split_sections(read_yaml(path))
+    try:
+        return config_lib.from_dict(experiment), sections
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+TF_SSGD_DEFAULTS = {"lr_scaling": "none", "reference_batch": 256, "input": "per_epoch", "jit_compile": "auto"}
+
+
+def parse_tf_ssgd_options(section):
+    """The validated ``tf_ssgd:`` options (see baselines/tf_ssgd.py), defaults filled in."""
+    unknown = sorted(set(section) - set(TF_SSGD_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"tf_ssgd.{unknown[0]}: unknown key; known keys are {', '.join(sorted(TF_SSGD_DEFAULTS))}")
+    opts = dict(TF_SSGD_DEFAULTS, **section)
+    if opts["lr_scaling"] not in ("none", "linear"):
+        raise ConfigError(f"tf_ssgd.lr_scaling: choose none or linear, got {opts['lr_scaling']!r}")
+    r = opts["reference_batch"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConfigError(f"tf_ssgd.reference_batch: must be a positive integer, got {r!r}")
+    if opts["input"] not in ("per_epoch", "repeat"):
+        raise ConfigError(f"tf_ssgd.input: choose per_epoch or repeat, got {opts['input']!r}")
+    if opts["jit_compile"] not in ("auto", True, False):
+        raise ConfigError(f"tf_ssgd.jit_compile: choose auto, true or false, got {opts['jit_compile']!r}")
+    return opts
+
+
+def parse_args(prog, description, argv):
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", required=True, help="YAML experiment (the same files crossbow_tf.run reads)")
+    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir)")
+    p.add_argument("--epochs", type=int, help="override the number of epochs")
+    p.add_argument("--batch-size", type=int, help="override the batch size (per device / per learner)")
+    p.add_argument("--learning-rate", type=float, help="override learning_rate.base")
+    p.add_argument("--learners-per-device", type=int, help="override learners per device (engine baselines)")
+    p.add_argument("--logical-cpu-devices", type=int, help="override the number of logical CPU devices")
+    p.add_argument("--seed", type=int, help="override the seed")
+    p.add_argument("--results", help="write the run's results (JSON) to this new file")
+    p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
+    return p.parse_args(argv)
+
+
+def build(args, algorithm=None):
+    """(ExperimentConfig, tool sections) from ARGS; ALGORITHM, when given, replaces algorithm.name."""
+    experiment, sections = split_sections(read_yaml(args.config))
+    try:
+        cfg = config_lib.to_dict(config_lib.from_dict(experiment))
+    except ConfigError as e:
+        raise ConfigError(f"{args.config}: {e}") from None
+    for key, value in (("epochs", args.epochs), ("batch_size", args.batch_size),
+                       ("learners_per_device", args.learners_per_device), ("seed", args.seed)):
+        if value is not None:
+            cfg[key] = value
+    if args.learning_rate is not None:
+        cfg["learning_rate"]["base"] = args.learning_rate
+    if args.data_dir is not None:
+        cfg["data"]["data_dir"] = args.data_dir
+    if args.logical_cpu_devices is not None:
+        cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
+    if algorithm is not None:
+        cfg["algorithm"]["name"] = algorithm
+    try:
+        return config_lib.from_dict(cfg), sections
+    except ConfigError as e:
+        raise ConfigError(f"command line: {e}") from None
+
+
+def check_results_path(args):
+    if args.results and os.path.exists(args.results) and not args.force:
+        raise CrossbowError(f"{args.results}: results file exists; choose a new name or pass --force")
+
+
+def main(prog, description, run, argv=None):
+    """Runs RUN(args) and turns user errors into one line and exit code 2."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TensorFlow's start-up chatter out of the log
+    args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
+    try:
+        check_results_path(args)
+        results = run(args)
+        if args.results:
+            results.save(args.results)
+            print(f"results written to {args.results}", flush=True)
+    except CrossbowError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,338 @@
+"""python -m baselines.tf_ssgd --config FILE: stock TensorFlow synchronous SGD, as users run it.
+
+``tf.distribute.MirroredStrategy`` over the chosen devices (plain single-device Keras when there is
+one), ``model.compile``/``model.fit`` with the stock ``keras.optimizers.SGD(momentum)``; the global
+batch is ``batch_size`` per device times the devices. Nothing of crossbow's engine, strategy or
+algorithms takes part: this module imports only crossbow_tf.config, .data, .models, .results (and
+.errors, which config raises). It reads the same experiment YAML as ``python -m crossbow_tf.run``;
+learners_per_device and algorithm.name do not apply (S-SGD has one replica per device) and
+algorithm.momentum and .weight_decay go to the stock optimizer.
+
+Options in the YAML's ``tf_ssgd:`` section (all optional):
+
+  lr_scaling: none | linear   linear: the rate is learning_rate.base * global batch / reference_batch
+                              (Goyal et al. 2017); warm-up then ramps from the unscaled rate
+  reference_batch: 256        the global batch learning_rate.base was chosen for
+  input: per_epoch | repeat   per_epoch (stock): fit re-iterates the data set every epoch, which
+                              creates a fresh distributed iterator each time; repeat: one iterator
+                              over all epochs with steps_per_epoch (the other common idiom)
+  jit_compile: auto           Keras's default (XLA off on CPU-only machines); or true / false
+
+What is the same as crossbow's runs, for a fair comparison: the model and its initial weights (same
+seed), every epoch's example order and augmentation (crossbow_tf.data.pipeline.train_batches with
+its padding dropped again), the learning-rate schedule (warm-up, step drops), the evaluation after
+every epoch on the test split, excluded from the training wall time, and the results format.
+"""
+import math
+import sys
+import time
+
+from baselines import _cli
+from baselines._cli import parse_tf_ssgd_options
+from crossbow_tf.errors import ConfigError
+
+PROG = "python -m baselines.tf_ssgd"
+
+def select_devices(logical_cpu):
+    """Device names to train on; splits the CPU first when asked (before TensorFlow runs anything).
+
+    LOGICAL_CPU=n on a machine without GPUs: n logical CPU devices; otherwise every GPU, else the CPU.
+    """
+    import tensorflow as tf
+    gpus = tf.config.list_physical_devices("GPU")
+    if logical_cpu and not gpus:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(logical_cpu)])
+        except RuntimeError:
+            have = len(tf.config.list_logical_devices("CPU"))
+            if have != logical_cpu:
+                raise ConfigError(f"TensorFlow was already initialised with {have} logical CPU device(s); "
+                                  f"{logical_cpu} were asked for") from None
+        return [d.name for d in tf.config.list_logical_devices("CPU")]
+    if gpus:
+        return [d.name for d in tf.config.list_logical_devices("GPU")]
+    return [tf.config.list_logical_devices("CPU")[0].name]
+
+
+def make_strategy(devices, reduction):
+    """MirroredStrategy over DEVICES with REDUCTION's stock cross-device ops; None for one device."""
+    import tensorflow as tf
+    if len(devices) == 1:
+        return None
+    ops = {"auto": None,   # TensorFlow's own choice
+           "nccl": tf.distribute.NcclAllReduce,
+           "one_device": tf.distribute.ReductionToOneDevice,
+           "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce}[reduction]
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops() if ops else None)
+
+
+def _keras_schedule_base():
+    import keras
+    return keras.optimizers.schedules.LearningRateSchedule
+
+
+class GoyalSchedule(_keras_schedule_base()):
+    """lr(t) = PEAK * FACTOR**(drops at or before t); during the first WARMUP iterations it is
+    multiplied by START + (1 - START) * (t + 1) / WARMUP.
+
+    START = 0 is crossbow's StepSchedule warm-up (from ~0); Goyal et al.'s gradual warm-up starts
+    at the unscaled rate, START = base / PEAK.
+    """
+
+    def __init__(self, peak, drops=(), factor=0.1, warmup=0, start=0.0):
+        super().__init__()
+        self.peak, self.drops, self.factor = float(peak), sorted(int(d) for d in drops), float(factor)
+        self.warmup, self.start = int(warmup), float(start)
+
+    def __call__(self, step):
+        from keras import ops
+        t = ops.cast(step, "float32")
+        lr = ops.convert_to_tensor(self.peak, "float32")
+        if self.drops:
+            passed = ops.sum(ops.cast(ops.greater_equal(t, ops.convert_to_tensor(self.drops, "float32")),
+                                      "float32"))
+            lr = lr * ops.power(ops.convert_to_tensor(self.factor, "float32"), passed)
+        if self.warmup:
+            ramp = self.start + (1.0 - self.start) * (t + 1.0) / self.warmup
+            lr = lr * ops.where(ops.less(t, float(self.warmup)), ramp, 1.0)
+        return lr
+
+    def value(self, t):
+        """lr(T) in plain Python (for logs and tests)."""
+        lr = self.peak * self.factor ** sum(1 for d in self.drops if t >= d)
+        if self.warmup and t < self.warmup:
+            lr *= self.start + (1.0 - self.start) * (t + 1) / self.warmup
+        return lr
+
+    def get_config(self):
+        return dict(peak=self.peak, drops=self.drops, factor=self.factor, warmup=self.warmup, start=self.start)
+
+
+def make_schedule(cfg, opts, global_batch, per_epoch):
+    """The stock-optimizer schedule for CFG: (GoyalSchedule, scale of the base rate)."""
+    lr = cfg.learning_rate
+    scale = global_batch / opts["reference_batch"] if opts["lr_scaling"] == "linear" else 1.0
+    # Goyal et al. ramp up from the unscaled rate; with no scale-up there is nothing to ramp from.
+    start = min(1.0, 1.0 / scale) if opts["lr_scaling"] == "linear" else 0.0
+    return GoyalSchedule(lr.base * scale, [round(e * per_epoch) for e in lr.drops_at_epochs], lr.drop_factor,
+                         round(lr.warmup_epochs * per_epoch), start), scale
+
+
+def _drop_padding(x, y, mask):
+    import tensorflow as tf
+    keep = mask > 0
+    return tf.boolean_mask(x, keep), tf.boolean_mask(y, keep)
+
+
+def epoch_batches(data, global_batch, epoch, seed):
+    """Epoch EPOCH's batches of GLOBAL_BATCH real examples in crossbow's order (last one smaller).
+
+    crossbow_tf.data.pipeline.train_batches fixes each epoch's order and augmentation; its padding
+    of the last batch exists for the engine's fixed shapes and is removed here, so Keras sees an
+    ordinary ``shuffle().map().batch()`` data set.
+    """
+    import tensorflow as tf
+    from crossbow_tf.data.pipeline import train_batches
+    padded = train_batches(data.train, global_batch, epoch, seed=seed, map_fn=data.train_map)
+    return padded.map(_drop_padding, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def training_dataset(data, global_batch, epochs, seed, mode):
+    """(dataset for fit, a tf.Variable selecting the epoch or None, steps_per_epoch for fit or None)."""
+    import tensorflow as tf
+    per_epoch = math.ceil(data.train.size / global_batch)
+    by_epoch = [epoch_batches(data, global_batch, e, seed) for e in range(1, epochs + 1)]
+    if mode == "repeat":
+        ds = by_epoch[0]
+        for d in by_epoch[1:]:
+            ds = ds.concatenate(d)
+        return ds.prefetch(tf.data.AUTOTUNE), None, per_epoch
+    # One data set that fit iterates afresh each epoch (the stock pattern); which epoch's order it
+    # yields is read from EPOCH when the iterator starts, so orders match crossbow's epoch by epoch.
+    epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch_order")
+    selector = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat().map(lambda _: epoch.read_value())
+    ds = tf.data.Dataset.choose_from_datasets(by_epoch, selector, stop_on_empty_dataset=True)
+    # A finite data set of known length, as a plain shuffle().batch() would be.
+    ds = ds.apply(tf.data.experimental.assert_cardinality(per_epoch))
+    return ds.prefetch(tf.data.AUTOTUNE), epoch, None
+
+
+def _callbacks():
+    import keras
+
+    class EpochOrder(keras.callbacks.Callback):
+        """Points the per-epoch data set at this epoch's order before fit starts iterating it."""
+
+        def __init__(self, variable):
+            super().__init__()
+            self.variable = variable
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.variable.assign(epoch)
+
+    class EpochClock(keras.callbacks.Callback):
+        """Times every training epoch and evaluates the model after it, outside the timed span.
+
+        Step start times come from on_train_batch_begin: Keras calls it synchronously between
+        steps, and unlike on_train_batch_end it neither pulls the step's outputs to the host nor
+        turns off Keras's asynchronous callback dispatch, so the measured fit runs as it would
+        without us.
+        """
+
+        def __init__(self, evaluate, record):
+            super().__init__()
+            self.evaluate, self.record = evaluate, record
+            self.train_time, self.step_times, self.stalls = 0.0, [], []
+            self.fit_called = self.train_begin = None
+
+        def on_train_begin(self, logs=None):
+            self.train_begin = time.perf_counter()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.starts = []
+            self.begin = time.perf_counter()
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.starts.append(time.perf_counter())
+
+        def on_epoch_end(self, epoch, logs=None):
+            end = time.perf_counter()
+            epoch_time = end - self.begin
+            self.train_time += epoch_time
+            if self.starts:
+                marks = self.starts + [end]
+                self.step_times.extend(b - a for a, b in zip(marks, marks[1:]))
+                self.stalls.append(self.starts[0] - self.begin)
+            accuracy, loss = self.evaluate()
+            if self.record(epoch + 1, epoch_time, self.train_time, accuracy, loss, dict(logs or {})):
+                self.model.stop_training = True
+
+    return EpochOrder, EpochClock
+
+
+def crossbow_modules():
+    """The crossbow_tf modules loaded in this process (the proof that no engine code ran)."""
+    return sorted(m for m in sys.modules if m == "crossbow_tf" or m.startswith("crossbow_tf."))
+
+
+def train(cfg, opts, log=print):
+    """Trains CFG with stock TensorFlow S-SGD; returns RunResults (one evaluation per epoch)."""
+    devices = select_devices(cfg.devices.logical_cpu)   # first: it fixes TensorFlow's device list
+    import keras
+    import numpy as np
+
+    from crossbow_tf.config import to_dict
+    from crossbow_tf.data import load_dataset
+    from crossbow_tf.data.pipeline import eval_batches
+    from crossbow_tf.models import build_model
+    from crossbow_tf.results import RunResults
+
+    for note in ([f"learners_per_device {cfg.learners_per_device} ignored: S-SGD runs one replica per device"]
+                 if cfg.learners_per_device != 1 else []) + \
+            ([f"algorithm.name {cfg.algorithm.name} ignored: this is synchronous SGD"]
+             if cfg.algorithm.name != "ssgd" else []):
+        log(f"note: {note}")
+    data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    strategy = make_strategy(devices, cfg.devices.cross_device_reduction)
+    replicas = len(devices)
+    global_batch = cfg.batch_size * replicas
+    per_epoch = math.ceil(data.train.size / global_batch)
+    schedule, scale = make_schedule(cfg, opts, global_batch, per_epoch)
+
+    keras.utils.set_random_seed(cfg.seed)   # as crossbow's runs: same seed, same initial weights and orders
+    scope = strategy.scope() if strategy is not None else _null_scope()
+    with scope:
+        model = build_model(cfg.model, data.input_shape, data.num_classes)
+        optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=cfg.algorithm.momentum,
+                                         weight_decay=cfg.algorithm.weight_decay or None)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+                      jit_compile=opts["jit_compile"])
+    train_ds, epoch_variable, steps_per_epoch = training_dataset(data, global_batch, cfg.epochs, cfg.seed,
+                                                                 opts["input"])
+    test_ds = eval_batches(data.test, cfg.eval_batch_size, data.eval_map)
+
+    kind = (f"MirroredStrategy over {replicas} devices ({type(strategy.extended._cross_device_ops).__name__})"
+            if strategy is not None else f"one device, no strategy ({devices[0]})")
+    log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
+        f"stock TensorFlow S-SGD: {kind}, Keras fit + SGD(momentum={cfg.algorithm.momentum}), "
+        f"batch {cfg.batch_size} per device (global {global_batch}), peak lr {schedule.peak:.4g}"
+        f"{f' (linear scaling x{scale:.3g})' if opts['lr_scaling'] == 'linear' else ''}, "
+        f"{per_epoch} iterations per epoch, input {opts['input']}")
+
+    results = RunResults("tf_ssgd", to_dict(cfg), devices=devices, num_learners=replicas,
+                         global_batch=global_batch, tf_ssgd_options=opts)
+    seen = {"examples": 0}
+
+    def evaluate():
+        out = model.evaluate(test_ds, verbose=0, return_dict=True)
+        return float(out["accuracy"]), float(out["loss"])
+
+    def record(epoch, epoch_time, train_time, accuracy, loss, logs):
+        # Keras feeds every example once per epoch (the last batch is smaller, never padded).
+        seen["examples"] += data.train.size
+        iteration = int(optimizer.iterations.numpy())
+        train_loss = float(logs.get("loss", float("nan")))
+        results.add_evaluation(epoch=epoch, iteration=iteration, examples=seen["examples"], wall_time=train_time,
+                               accuracy=accuracy, loss=loss, train_loss=train_loss, epoch_time=epoch_time,
+                               images_per_second=data.train.size / epoch_time,
+                               epoch_start_time=clock.stalls[-1] if clock.stalls else None)
+        log(f"epoch {epoch:3d}/{cfg.epochs}  test accuracy {accuracy:.4f}  test loss {loss:.4f}  "
+            f"train loss {train_loss:.4f}  time {epoch_time:6.2f}s  "
+            f"{data.train.size / epoch_time:8.0f} images/s  lr {schedule.value(iteration - 1):.4g}")
+        return (cfg.target_accuracy is not None and cfg.stop_at_target and accuracy >= cfg.target_accuracy)
+
+    EpochOrder, EpochClock = _callbacks()
+    clock = EpochClock(evaluate, record)
+    callbacks = ([EpochOrder(epoch_variable)] if epoch_variable is not None else []) + [clock]
+    start = time.perf_counter()
+    model.fit(train_ds, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
+    results.extra["total_time"] = time.perf_counter() - start
+    results.extra["fit_setup_time"] = clock.train_begin - start if clock.train_begin else None
+    steps = clock.step_times
+    if len(steps) > 1:
+        results.extra["first_step_time"] = steps[0]
+        results.extra["trace_time"] = max(steps[0] - float(np.median(steps[1:])), 0.0)
+    results.extra["iterations_per_epoch"] = per_epoch
+    results.extra["strategy"] = type(strategy).__name__ if strategy is not None else None
+    results.extra["train_step"] = f"{type(model).train_step.__module__}.{type(model).train_step.__qualname__}"
+    results.extra["optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    results.extra["crossbow_modules"] = crossbow_modules()
+    if cfg.target_accuracy is not None:
+        tta = results.time_to_accuracy(cfg.target_accuracy)
+        if tta is None:
+            log(f"target accuracy {cfg.target_accuracy:.2%} not reached in {len(results.evaluations)} epochs "
+                f"(best {results.best_accuracy:.2%})")
+        else:
+            log(f"time to {cfg.target_accuracy:.2%} test accuracy: {tta:.2f}s of training "
+                f"({results.epochs_to_accuracy(cfg.target_accuracy)} epochs)")
+    return results
+
+
+class _null_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _print(line):
+    print(line, flush=True)   # a harness reads the lines as they come
+
+
+def run(args, log=_print):
+    cfg, sections = _cli.build(args)
+    opts = parse_tf_ssgd_options(sections["tf_ssgd"])
+    return train(cfg, opts, log=log)
+
+
+def main(argv=None):
+    return _cli.main(PROG, __doc__.splitlines()[0], run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
