@@ -9,6 +9,30 @@ import os
 import platform
 import time
 
+# Every evaluation holds at least these; tools may rely on them (more keys are allowed).
+EVALUATION_KEYS = ("epoch", "iteration", "examples", "wall_time", "accuracy", "loss")
+RUN_KEYS = ("method", "config", "environment", "evaluations")
+
+
+def format_problems(d):
+    """What makes mapping D (a loaded results file) not a valid run; an empty list when it is one."""
+    if not isinstance(d, dict):
+        return [f"expected a JSON object, got {type(d).__name__}"]
+    problems = [f"missing key {k!r}" for k in RUN_KEYS if k not in d]
+    evaluations = d.get("evaluations", [])
+    if not isinstance(evaluations, list):
+        return problems + ["evaluations: expected a list"]
+    previous = -float("inf")
+    for i, e in enumerate(evaluations):
+        missing = [k for k in EVALUATION_KEYS if not isinstance(e, dict) or k not in e]
+        if missing:
+            problems.append(f"evaluations[{i}]: missing {', '.join(missing)}")
+            continue
+        if not e["wall_time"] >= previous:
+            problems.append(f"evaluations[{i}]: wall_time {e['wall_time']} goes backwards")
+        previous = e["wall_time"]
+    return problems
+
 
 def environment():
     import keras

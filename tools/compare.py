@@ -1,0 +1,140 @@
+"""python tools/compare.py --config C: time to accuracy of SMA against the baselines, as one report.
+
+Reads the experiment and its ``compare:`` section (and, unless --no-sweep, its ``sweep:`` section)
+from C; runs every method's search trials and then its best trial on several seeds, each run in
+its own process, one at a time; writes DIR/report.md (tables), DIR/summary.json, accuracy plots
+(accuracy_vs_time.png, accuracy_vs_epochs.png, sweep.png) and every run's config, log and results
+under DIR/runs/. See docs/harness.md.
+
+    python tools/compare.py --config configs/lenet_mnist_cpu.yaml --out docs/results/lenet_mnist_cpu
+    python tools/compare.py --config configs/lenet_mnist_cpu.yaml --out /tmp/smoke --budget 1 \\
+        --seeds 0 --epochs 2 --no-sweep          # a smoke test of the whole pipeline
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/ is a folder of scripts, not a package
+import harness  # noqa: E402
+from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python tools/compare.py", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML experiment with a compare: section")
+    p.add_argument("--out", help="new report directory (default: reports/<experiment name>)")
+    p.add_argument("--force", action="store_true", help="replace an existing report directory")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the finished runs of an existing report directory (same settings)")
+    p.add_argument("--methods", nargs="+", metavar="NAME", help="only these entries of compare.methods")
+    p.add_argument("--budget", type=int, help="override compare.budget (trials per method)")
+    p.add_argument("--search-seeds", type=int, nargs="+", help="override compare.search_seeds")
+    p.add_argument("--seeds", type=int, nargs="+", help="override compare.seeds")
+    p.add_argument("--epochs", type=int, help="override the epochs cap of compare (and sweep)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the sweep: section")
+    p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    return p.parse_args(argv)
+
+
+def build(args):
+    """(experiment, sections, CompareSpec, compare plan, SweepSpec or None, sweep plan or None)."""
+    experiment, sections = harness.load_harness_config(args.config)
+    section = dict(sections["compare"])
+    if not section:
+        raise ConfigError(f"{args.config}: no compare: section (methods, grids, seeds) to run")
+    for key, value in (("budget", args.budget), ("search_seeds", args.search_seeds), ("seeds", args.seeds),
+                       ("epochs", args.epochs)):
+        if value is not None:
+            section[key] = value
+    if args.methods:
+        methods = section.get("methods") or {}
+        unknown = [m for m in args.methods if not isinstance(methods, dict) or m not in methods]
+        if unknown:
+            raise ConfigError(f"--methods: {unknown[0]!r} is not an entry of compare.methods "
+                              f"({', '.join(methods) if isinstance(methods, dict) else 'none'})")
+        section["methods"] = {m: methods[m] for m in args.methods}
+    where = "command line" if any(v is not None for v in (args.budget, args.search_seeds, args.seeds, args.epochs,
+                                                            args.methods)) else args.config
+    try:
+        spec = harness.parse_compare(section, experiment)
+        plan = harness.plan_compare(spec, experiment, sections)
+        sweep_spec = sweep_plan = None
+        if sections["sweep"] and not args.no_sweep:
+            sweep_section = dict(sections["sweep"], **({"epochs": args.epochs} if args.epochs else {}))
+            sweep_spec = harness.parse_sweep(sweep_section, experiment)
+            sweep_plan = harness.plan_sweep(sweep_spec, experiment, sections)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return experiment, sections, spec, plan, sweep_spec, sweep_plan
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        experiment, sections, spec, plan, sweep_spec, sweep_plan = build(args)
+        out = args.out or os.path.join("reports", experiment.get("name", "experiment"))
+        total = harness.count_compare_runs(spec, plan) + (
+            len(sweep_plan) * len(sweep_spec.seeds) if sweep_plan else 0)
+        if args.dry_run:
+            for entry, trials in plan:
+                for label, point, _ in trials:
+                    print(f"{entry.name} ({entry.method}) {label}: {harness.describe(dict(entry.fixed, **point))}")
+            for series, g, label, point, _ in sweep_plan or []:
+                print(f"sweep {series} global batch {g} {label}: {harness.describe(point)}")
+            print(f"{total} runs (at most)")
+            return 0
+        harness.prepare_out_dir(out, force=args.force, resume=args.resume)
+    except CrossbowError as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+
+    harness.copy_config(args.config, out)
+    machine = harness.machine_info()
+    runner = harness.Runner(out, total, resume=args.resume)
+    runner.say(f"compare: {len(plan)} methods, {total} runs, report in {out}")
+    try:
+        outcome = harness.run_compare(spec, plan, runner)
+        sweep_result = harness.run_sweep(sweep_spec, sweep_plan, runner) if sweep_plan else None
+    except KeyboardInterrupt:
+        print(f"compare: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
+        return 130
+
+    rows = harness.compare_rows(spec, outcome)
+    curves = {name: harness.load_curves(o["final"]) for name, o in outcome.items()}
+    harness.plot_curves(curves, spec.target, os.path.join(out, "accuracy_vs_time.png"),
+                        os.path.join(out, "accuracy_vs_epochs.png"))
+    records = [r for o in outcome.values() for r in o["runs"].values()]
+    parts = [harness.header_markdown(f"Time to accuracy: {experiment.get('name', '')}", harness.command_line(),
+                                     machine, args.config),
+             harness.software_line(records),
+             f"- finished: {harness.machine_info()['date']}",
+             "", "## Time to accuracy", "", harness.compare_markdown(spec, rows, outcome), "",
+             "![accuracy against time](accuracy_vs_time.png)", "",
+             "![accuracy against epochs](accuracy_vs_epochs.png)"]
+    summary = dict(machine=machine, command=harness.command_line(), spec=spec, rows=rows,
+                   tta_ratio=dict(zip(("ratio", "sma", "baseline"), harness.tta_ratio(rows))))
+    if sweep_result is not None:
+        harness.plot_sweep(harness.sweep_series(sweep_spec, sweep_result), sweep_spec.epochs, sweep_spec.target,
+                           os.path.join(out, "sweep.png"))
+        parts += ["", "## Statistical efficiency", "", harness.sweep_markdown(sweep_spec, sweep_result), "",
+                  "![epochs to target against global batch](sweep.png)"]
+        summary["sweep"] = {series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]
+                            for series, points in sweep_result.items()}
+        records += [r for points in sweep_result.values() for *_, recs in points for r in recs]
+    failed = [r for r in records if r.summary is None]
+    if failed:
+        parts += ["", "## Failed runs", "", harness.markdown_table(
+            ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(parts) + "\n")
+    harness.write_json(os.path.join(out, "summary.json"), summary)
+    runner.say("\n" + harness.compare_markdown(spec, rows, outcome).split("### Search trials")[0].strip())
+    runner.say(f"\nreport: {os.path.join(out, 'report.md')}")
+    if failed:
+        print(f"compare: {len(failed)} run(s) failed; see the report", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

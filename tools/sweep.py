@@ -1,0 +1,106 @@
+"""python tools/sweep.py --config C: statistical efficiency, epochs to target against the global batch.
+
+S-SGD at each global batch of sweep.ssgd.global_batches (its best learning rate of sweep.ssgd.grid
+per batch) and SMA with k learners of a fixed per-learner batch b for each k of sweep.sma.learners
+(best of sweep.sma.grid per k). Each run is its own process, one at a time. Writes DIR/report.md,
+DIR/summary.json, DIR/sweep.png and every run's files under DIR/runs/. See docs/harness.md.
+
+    python tools/sweep.py --config configs/lenet_mnist_cpu.yaml --out /tmp/sweep
+    python tools/sweep.py --config configs/lenet_mnist_cpu.yaml --out /tmp/sweep --global-batches 64 256 \\
+        --learners 4 16 --epochs 5
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/ is a folder of scripts, not a package
+import harness  # noqa: E402
+from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python tools/sweep.py", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML experiment with a sweep: section")
+    p.add_argument("--out", help="new report directory (default: reports/<experiment name>-sweep)")
+    p.add_argument("--force", action="store_true", help="replace an existing report directory")
+    p.add_argument("--resume", action="store_true", help="reuse the finished runs of an existing report directory")
+    p.add_argument("--global-batches", type=int, nargs="+", help="override sweep.ssgd.global_batches")
+    p.add_argument("--learners", type=int, nargs="+", help="override sweep.sma.learners (k)")
+    p.add_argument("--seeds", type=int, nargs="+", help="override sweep.seeds")
+    p.add_argument("--epochs", type=int, help="override sweep.epochs (the cap per run)")
+    p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    return p.parse_args(argv)
+
+
+def build(args):
+    experiment, sections = harness.load_harness_config(args.config)
+    section = {k: (dict(v) if isinstance(v, dict) else v) for k, v in sections["sweep"].items()}
+    if not section:
+        raise ConfigError(f"{args.config}: no sweep: section (ssgd, sma, seeds) to run")
+    overridden = False
+    for key, value in (("seeds", args.seeds), ("epochs", args.epochs)):
+        if value is not None:
+            section[key], overridden = value, True
+    for sub, key, value in (("ssgd", "global_batches", args.global_batches), ("sma", "learners", args.learners)):
+        if value is not None:
+            part = section.get(sub)
+            section[sub] = dict(part if isinstance(part, dict) else {}, **{key: value})
+            overridden = True
+    try:
+        spec = harness.parse_sweep(section, experiment)
+        return experiment, spec, harness.plan_sweep(spec, experiment, sections)
+    except ConfigError as e:
+        raise ConfigError(f"{'command line' if overridden else args.config}: {e}") from None
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        experiment, spec, plan = build(args)
+        out = args.out or os.path.join("reports", experiment.get("name", "experiment") + "-sweep")
+        total = len(plan) * len(spec.seeds)
+        if args.dry_run:
+            for series, g, label, point, _ in plan:
+                print(f"{series} global batch {g} {label}: {harness.describe(point)}")
+            print(f"{total} runs")
+            return 0
+        harness.prepare_out_dir(out, force=args.force, resume=args.resume)
+    except CrossbowError as e:
+        print(f"sweep: error: {e}", file=sys.stderr)
+        return 2
+
+    harness.copy_config(args.config, out)
+    machine = harness.machine_info()
+    runner = harness.Runner(out, total, resume=args.resume)
+    runner.say(f"sweep: {total} runs, report in {out}")
+    try:
+        result = harness.run_sweep(spec, plan, runner)
+    except KeyboardInterrupt:
+        print(f"sweep: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
+        return 130
+    harness.plot_sweep(harness.sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
+    records = [r for points in result.values() for *_, recs in points for r in recs]
+    text = harness.sweep_markdown(spec, result)
+    failed = [r for r in records if r.summary is None]
+    parts = [harness.header_markdown(f"Statistical efficiency: {experiment.get('name', '')}",
+                                     harness.command_line(), machine, args.config),
+             harness.software_line(records), f"- finished: {harness.machine_info()['date']}", "", text, "",
+             "![epochs to target against global batch](sweep.png)"]
+    if failed:
+        parts += ["", "## Failed runs", "", harness.markdown_table(
+            ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(parts) + "\n")
+    harness.write_json(os.path.join(out, "summary.json"), dict(
+        machine=machine, command=harness.command_line(), spec=spec,
+        sweep={series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]
+               for series, points in result.items()}))
+    runner.say("\n" + text + f"\n\nreport: {os.path.join(out, 'report.md')}")
+    if failed:
+        print(f"sweep: {len(failed)} run(s) failed; see the report", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
