@@ -23,6 +23,8 @@ from crossbow_tf.errors import CrossbowError
 
 DEFAULT_THRESHOLD = 0.10
 DEFAULT_MAX_LEARNERS = 16
+DEFAULT_WARMUP_ITERATIONS = 2
+DEFAULT_MEASURE_ITERATIONS = 10
 
 # Gains are ratios of measured floats: without a little slack a gain of exactly the threshold
 # (110 after 100 with threshold 0.1) would count as "more than" it or not depending on rounding.
@@ -104,9 +106,10 @@ def choose_learners(throughput_of, threshold=DEFAULT_THRESHOLD, max_learners=DEF
 
     try:
         best = _checked(throughput_of(1), 1)
-    except oom:
+    except oom as e:
         # Nothing smaller to fall back to: training itself would fail the same way.
-        raise DoesNotFit("one learner per device does not fit in the device's memory") from None
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DoesNotFit(f"one learner per device does not fit in the device's memory ({detail})") from None
     curve[1] = best
     m = 1
     while m < max_learners:
@@ -130,7 +133,8 @@ def _checked(value, m):
 
 
 def measure_throughput(model, loss, algorithm, devices, split, batch_size, learners_per_device, *,
-                       warmup_iterations=2, measure_iterations=8, learning_rate=0.01,
+                       warmup_iterations=DEFAULT_WARMUP_ITERATIONS,
+                       measure_iterations=DEFAULT_MEASURE_ITERATIONS, learning_rate=0.01,
                        cross_device_reduction="auto", map_fn=None, seed=0, **engine_kwargs):
     """Median images/s of training with LEARNERS_PER_DEVICE learners on each of DEVICES.
 
@@ -199,7 +203,8 @@ def _real_batches(train_batches, split, global_batch, count, seed, map_fn):
 
 def autotune_learners(model, loss, algorithm, devices, split, batch_size, *,
                       threshold=DEFAULT_THRESHOLD, max_learners=DEFAULT_MAX_LEARNERS,
-                      warmup_iterations=2, measure_iterations=8, learning_rate=0.01,
+                      warmup_iterations=DEFAULT_WARMUP_ITERATIONS,
+                      measure_iterations=DEFAULT_MEASURE_ITERATIONS, learning_rate=0.01,
                       cross_device_reduction="auto", map_fn=None, seed=0, **engine_kwargs):
     """Chooses learners per device for MODEL on DEVICES by Crossbow's rule; returns a TuningResult.
 
