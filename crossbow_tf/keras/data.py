@@ -1,8 +1,8 @@
 """Makes Keras's fit deliver one iteration of k*b examples per step while the user's batch is b.
 
 - NumPy arrays (and anything else Keras slices itself): fit's batch_size is multiplied by k.
-- tf.data.Dataset: each element is one learner's batch; k consecutive elements form an iteration
-  (``Dataset.rebatch``), so an epoch has ceil(N / (k*b)) steps.
+- tf.data.Dataset: each element is one learner's batch; the next k*b examples of the dataset's
+  order form an iteration (k consecutive batches of b), so an epoch has ceil(N / (k*b)) steps.
 - Python generators and keras.utils.PyDataset: likewise, k consecutive batches form an iteration.
 
 The last iteration of an epoch may hold fewer than k*b examples: the training step pads it (see
@@ -43,7 +43,7 @@ def check_batch_size(batch_size):
 def dataset_batch_size(dataset):
     """The per-learner batch b of a batched dataset: its static batch dimension, else its first batch's."""
     leaves = tree.flatten(dataset.element_spec)
-    if not leaves or leaves[0].shape.rank in (None, 0):
+    if not leaves or any(leaf.shape.rank in (None, 0) for leaf in leaves):
         raise ValueError("the dataset must be batched (dataset.batch(b)): each element is one learner's "
                          f"batch; its element_spec is {dataset.element_spec}")
     size = leaves[0].shape[0]
@@ -96,7 +96,14 @@ def group_for_learners(x, batch_size, k):
             raise ValueError("do not pass batch_size with a tf.data.Dataset: each dataset element is "
                              "one learner's batch (set it with dataset.batch(b))")
         b = dataset_batch_size(x)
-        return x.rebatch(k * b), None, b
+        # Dataset.rebatch would keep the batch boundaries, but Keras's fit miscounts its steps.
+        grouped = x.unbatch().batch(k * b)
+        batches = int(x.cardinality())
+        if batches >= 0:
+            # Every batch but the last holds b examples, so the iterations are exactly ceil(batches / k);
+            # telling Keras lets its progress bar show the epoch's length.
+            grouped = grouped.apply(tf.data.experimental.assert_cardinality(math.ceil(batches / k)))
+        return grouped, None, b
     if isinstance(x, keras.utils.PyDataset):
         if batch_size is not None:
             raise ValueError("do not pass batch_size with a PyDataset: each item is one learner's batch")

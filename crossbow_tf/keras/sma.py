@@ -75,7 +75,7 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
 
 
 def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
-            reset_on_lr_drop=True, jit_compile=False):
+            reset_on_lr_drop=True, jit_compile=False, learners=None):
     """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
 
     Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
@@ -93,6 +93,7 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
       reset_on_lr_drop: SMA resets every learner to z when the learning rate falls from one
         iteration to the next (Crossbow's rule for step schedules).
       jit_compile: compile the engine's step with XLA (slower on CPU).
+      learners: the engine's learner computation ("auto", "fused", "replicated"); None: the engine's default.
     """
     if strategy is None:
         strategy = CrossbowStrategy()
@@ -111,7 +112,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     rule = algorithm_from_optimizer(model.optimizer, algorithm, alpha, central_momentum, weight_decay)
     check_compiled_loss(model)
     detach(model)
-    training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile)
+    training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
+                                learners=learners)
     setattr(model, _ATTRIBUTE, training)
     for name in _PATCHED:
         setattr(model, name, getattr(training, name))
@@ -152,7 +154,7 @@ class _Synchronise(keras.callbacks.Callback):
 class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
-    def __init__(self, model, strategy, algorithm, reset_on_lr_drop=True, jit_compile=False):
+    def __init__(self, model, strategy, algorithm, reset_on_lr_drop=True, jit_compile=False, learners=None):
         self.model = model
         self.strategy = strategy
         self.loss = CompiledLoss(model)
@@ -160,7 +162,8 @@ class CrossbowTraining:
         # variables; building now makes BackupAndRestore's files agree across processes.
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        self.engine = Engine(model, self.loss, algorithm, strategy, jit_compile=jit_compile)
+        options = {} if learners is None else {"learners": learners}
+        self.engine = Engine(model, self.loss, algorithm, strategy, jit_compile=jit_compile, **options)
         self.algorithm = self.engine.algorithm
         self.reset_on_lr_drop = bool(reset_on_lr_drop and self.algorithm.reset_on_lr_drop)
         # 0 means "no iteration yet": a learning rate is never below it, so the first step never resets.
