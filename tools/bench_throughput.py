@@ -24,7 +24,7 @@ def parse_args(argv):
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="numbers of learners k")
     p.add_argument("--devices", type=int, default=1, help="logical CPU devices the learners are spread over")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median reported)")
-    p.add_argument("--learners", default="replicated", choices=["replicated"],
+    p.add_argument("--learners", default="fused", choices=["fused", "replicated"],
                    help="how a device runs its learners")
     args = p.parse_args(argv)
     bad = [k for k in args.ks if k < 1 or k % args.devices]
@@ -71,7 +71,7 @@ def main(argv=None):
 
     def sma_runner(k):
         strategy = CrossbowStrategy(devices=devices, learners_per_device=k // len(devices))
-        engine = Engine(fresh_model(), loss, SMA(), strategy)
+        engine = Engine(fresh_model(), loss, SMA(), strategy, learners=args.learners)
 
         def one_epoch(epoch):
             for x, y, mask in train_batches(data.train, k * b, epoch, shuffle=False):

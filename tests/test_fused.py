@@ -1,0 +1,122 @@
+"""Fused learners compute what replicated learners compute; unsupported layers fall back."""
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+from crossbow_tf.algorithms import SMA
+from crossbow_tf.distribute import CrossbowStrategy
+from crossbow_tf.engine.core import Engine
+from crossbow_tf.engine.fused import FusedLearners, UnsupportedModel
+from crossbow_tf.engine.replicated import ReplicatedLearners
+from crossbow_tf.models import MODELS, build_model
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def custom_functional(input_shape=(12, 12, 3), num_classes=5):
+    """A user model with BatchNorm, Dropout, a residual Add, strides, padding and pooling."""
+    inputs = keras.Input(input_shape)
+    x = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Activation("relu")(x)
+    y = keras.layers.Conv2D(6, 3, padding="same")(x)
+    y = keras.layers.Dropout(0.3)(y)
+    x = keras.layers.ReLU()(keras.layers.Add()([x, y]))
+    x = keras.layers.ZeroPadding2D(1)(x)
+    x = keras.layers.Conv2D(8, 3, strides=2)(x)
+    x = keras.layers.MaxPooling2D(2)(x)
+    pooled = keras.layers.GlobalAveragePooling2D()(x)
+    flat = keras.layers.Flatten()(x)
+    x = keras.layers.Concatenate()([pooled, keras.layers.Dense(4, activation="tanh")(flat)])
+    x = keras.layers.Dense(16, activation="relu")(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dropout(0.5)(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
+def run(factory, input_shape, num_classes, learners, devices, m=3, b=4, steps=3, seed=0, lr=0.05):
+    keras.utils.set_random_seed(seed)
+    model = factory(input_shape=input_shape, num_classes=num_classes)
+    engine = Engine(model, LOSS, SMA(), CrossbowStrategy(devices=devices, learners_per_device=m),
+                    learners=learners)
+    rng = np.random.default_rng(seed)
+    kb = engine.num_learners * b
+    for _ in range(steps):
+        x = rng.random((kb,) + input_shape, dtype=np.float32)
+        y = rng.integers(0, num_classes, kb).astype(np.int32)
+        loss, _ = engine.train_step(x, y, np.ones(kb), lr)
+    states = [s.numpy() for d in engine.states for s in d]
+    return engine, float(loss), states
+
+
+def assert_same_training(factory, input_shape, num_classes, devices, **kw):
+    fused, loss_f, states_f = run(factory, input_shape, num_classes, "fused", devices, **kw)
+    replicated, loss_r, states_r = run(factory, input_shape, num_classes, "replicated", devices, **kw)
+    assert isinstance(fused.learners, FusedLearners)
+    assert isinstance(replicated.learners, ReplicatedLearners)
+    assert abs(loss_f - loss_r) < 1e-5
+    for a, b in zip(fused.center_weights(), replicated.center_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for la, lb in zip(fused.learner_weights(), replicated.learner_weights()):
+        for a, b in zip(la, lb):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(states_f, states_r):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_fused_equals_replicated_on_a_custom_model_with_batchnorm_and_dropout(cpu_devices):
+    assert_same_training(custom_functional, (12, 12, 3), 5, cpu_devices[:2], b=8)
+
+
+def test_fused_equals_replicated_on_lenet(cpu_devices):
+    assert_same_training(MODELS["lenet"], (28, 28, 1), 10, cpu_devices[:1], m=4)
+
+
+def test_fused_equals_replicated_on_resnet32(cpu_devices):
+    # A moderate rate: BatchNorm over 8 examples amplifies the rounding differences of two correct
+    # float32 computations step by step (at lr 0.01 by about 10x per step).
+    assert_same_training(MODELS["resnet32"], (32, 32, 3), 10, cpu_devices[:1], m=2, b=8, steps=3, lr=0.001)
+
+
+@pytest.mark.parametrize("name, shape, classes", [("vgg16", (32, 32, 3), 100), ("resnet50", (64, 64, 3), 10)])
+def test_fused_step_equals_replicated_step_on_paper_models(name, shape, classes, cpu_devices):
+    # One iteration from the same state: VGG-16 with ReLU-then-BatchNorm on random data is chaotic
+    # enough that float32 rounding differences grow past 1e-3 within two further iterations.
+    assert_same_training(MODELS[name], shape, classes, cpu_devices[:1], m=2, b=4, steps=1, lr=0.001)
+
+
+def test_dropout_masks_differ_between_fused_learners(cpu_devices):
+    """Same data and weights for every learner: only their own dropout masks can separate them."""
+    keras.utils.set_random_seed(1)
+    model = custom_functional()
+    engine = Engine(model, LOSS, SMA(alpha=0.0, momentum=0.0),
+                    CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2), learners="fused")
+    rng = np.random.default_rng(0)
+    x = rng.random((4, 12, 12, 3), dtype=np.float32)
+    y = rng.integers(0, 5, 4).astype(np.int32)
+    engine.train_step(np.concatenate([x, x]), np.concatenate([y, y]), np.ones(8), 0.1)
+    first, second = engine.learner_weights()
+    assert any(not np.array_equal(a, b) for a, b in zip(first, second))
+
+
+def test_unsupported_layer_falls_back_with_a_notice(cpu_devices, caplog):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(2, 3),
+                              keras.layers.LayerNormalization(name="my_norm"),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+    with caplog.at_level(logging.WARNING, logger="crossbow_tf"):
+        engine = Engine(model, LOSS, SMA(), CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
+    assert isinstance(engine.learners, ReplicatedLearners)
+    notices = [r.getMessage() for r in caplog.records if r.name == "crossbow_tf"]
+    assert len(notices) == 1 and "'my_norm'" in notices[0] and "LayerNormalization" in notices[0]
+    with pytest.raises(UnsupportedModel, match="my_norm"):
+        Engine(model, LOSS, SMA(), CrossbowStrategy(devices=cpu_devices[:1]), learners="fused")
+
+
+def test_fused_is_the_default_for_supported_models(cpu_devices):
+    keras.utils.set_random_seed(0)
+    engine = Engine(build_model("lenet", (28, 28, 1), 10), LOSS, SMA(),
+                    CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
+    assert isinstance(engine.learners, FusedLearners)
