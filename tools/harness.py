@@ -385,7 +385,7 @@ class Runner:
         self.say(f"{head} ... (elapsed {_clock(time.time() - self.started)}, ETA {self.eta()})")
         load = os.getloadavg() if hasattr(os, "getloadavg") else None
         start = time.time()
-        code, error = self._spawn(METHODS[method].module, paths, timeout)
+        code, error = self._spawn(METHODS[method].module, paths, timeout, load)
         duration = time.time() - start
         self.durations.append(duration)
         record = self._record(label, seed, paths["json"], target, duration, load)
@@ -419,13 +419,15 @@ class Runner:
         record.summary = run_summary(data, target)
         return record
 
-    def _spawn(self, module, paths, timeout):
+    def _spawn(self, module, paths, timeout, load=None):
         env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
                    PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         cmd = [self.python, "-m", module, "--config", paths["yaml"], "--results", paths["json"]]
         lines = queue.Queue()
         with open(paths["log"], "w") as log:
             log.write("$ " + " ".join(cmd) + "\n")
+            if load:
+                log.write(f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
             log.flush()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                     bufsize=1)
@@ -671,6 +673,7 @@ def compare_markdown(spec, rows, outcome):
                 r = o["runs"][(label, seed)]
                 s = r.summary
                 trials.append([name, label + (" **best**" if label == o["best"] else ""), describe(point), seed,
+                               f"{r.load_before[0]:.1f}" if r.load_before else "–",
                                "failed: " + (r.error or "") if s is None else
                                (f"{s['tta']:.2f}" if s["reached"] else "not reached"),
                                "–" if s is None or not s["reached"] else s["epochs_to_target"],
@@ -682,7 +685,8 @@ def compare_markdown(spec, rows, outcome):
         "seeds (n/r: some seed did not reach the target). TTA counts training time only (evaluation "
         "excluded; tracing included, and also shown as *trace*).",
         table, ratio_line, "### Search trials",
-        markdown_table(["method", "trial", "settings", "seed", "TTA (s)", "epochs", "best accuracy"], trials)])
+        markdown_table(["method", "trial", "settings", "seed", "load at start", "TTA (s)", "epochs", "best accuracy"],
+                       trials)])
 
 
 def plan_sweep(spec, experiment, sections):
