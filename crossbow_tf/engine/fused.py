@@ -131,7 +131,11 @@ class FusedLearners:
 
     # ---- layers ----------------------------------------------------------------------------
     def _w(self, variable):
-        return self._weights[self._t_index[id(variable)]]
+        """The learners' stack of VARIABLE: trainable, or frozen (kept with the non-trainable state)."""
+        index = self._t_index.get(id(variable))
+        if index is not None:
+            return self._weights[index]
+        return self._states[self._s_index[id(variable)]]
 
     def _apply(self, layer, inputs):
         m = self._m
