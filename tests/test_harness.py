@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -230,3 +231,59 @@ def test_tiny_comparison_end_to_end(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "report directory exists" in again.stderr
     assert (out / "report.md").read_text() == report
+
+
+# --- the runner: failures, timeouts and --resume, with a stand-in for the training process --------
+
+FAKE_PYTHON = '''#!{python}
+"""Stands in for `python -m MODULE --config C --results R`: behaves as FAKE_MODE says."""
+import json, os, sys, time
+args = sys.argv[1:]
+results = args[args.index("--results") + 1]
+mode = os.environ["FAKE_MODE"]
+with open(os.environ["FAKE_CALLS"], "a") as f:
+    f.write(mode + "\\n")
+print("epoch   1/1  test accuracy 0.9700  test loss 0.1  train loss 0.2  time   1.00s  4000 images/s  lr 0.1")
+if mode == "crash":
+    print("Traceback: something broke", flush=True)
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(60)
+evals = [dict(epoch=1, iteration=10, examples=4000, wall_time=2.5, accuracy=0.97, loss=0.1)]
+if mode == "malformed":
+    del evals[0]["loss"]
+json.dump(dict(method="sma", config={{}}, environment={{}}, evaluations=evals, num_learners=1), open(results, "w"))
+'''
+
+
+def test_runner_records_failures_timeouts_and_resumes(tmp_path, monkeypatch):
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    out = tmp_path / "report"
+    harness.prepare_out_dir(str(out))
+    runner = harness.Runner(str(out), 5, out=open(os.devnull, "w"), python=str(fake))
+    exp = {"seed": 0}
+
+    def run(mode, name, timeout=30):
+        monkeypatch.setenv("FAKE_MODE", mode)
+        return runner.run("sma", exp, None, "sma", name, name, 0, 0.96, timeout)
+    ok = run("ok", "a")
+    assert ok.summary["tta"] == 2.5 and ok.summary["epochs_to_target"] == 1 and ok.error is None
+    crash = run("crash", "b")
+    assert crash.summary is None and "exit code 3" in crash.error and "something broke" in crash.error
+    bad = run("malformed", "c")
+    assert bad.summary is None and "malformed results" in bad.error and "loss" in bad.error
+    start = time.time()
+    hung = run("hang", "d", timeout=2)
+    assert hung.summary is None and "timed out" in hung.error and time.time() - start < 20
+    log = (out / "runs" / "sma" / "a.log").read_text()
+    assert "--results" in log and "epoch   1/1" in log
+    # --resume reuses a finished run with the same settings and reruns one whose settings changed.
+    runner = harness.Runner(str(out), 2, resume=True, out=open(os.devnull, "w"), python=str(fake))
+    n = len(calls.read_text().split())
+    assert run("ok", "a").summary["tta"] == 2.5 and len(calls.read_text().split()) == n
+    exp["seed"] = 1
+    assert run("ok", "a").summary is not None and len(calls.read_text().split()) == n + 1

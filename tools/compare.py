@@ -53,8 +53,8 @@ def build(args):
             raise ConfigError(f"--methods: {unknown[0]!r} is not an entry of compare.methods "
                               f"({', '.join(methods) if isinstance(methods, dict) else 'none'})")
         section["methods"] = {m: methods[m] for m in args.methods}
-    where = "command line" if any(v is not None for v in (args.budget, args.search_seeds, args.seeds, args.epochs,
-                                                            args.methods)) else args.config
+    overridden = any(v is not None for v in (args.budget, args.search_seeds, args.seeds, args.epochs, args.methods))
+    where = f"{args.config} (with command-line overrides)" if overridden else args.config
     try:
         spec = harness.parse_compare(section, experiment)
         plan = harness.plan_compare(spec, experiment, sections)

@@ -50,7 +50,7 @@ def build(args):
         spec = harness.parse_sweep(section, experiment)
         return experiment, spec, harness.plan_sweep(spec, experiment, sections)
     except ConfigError as e:
-        raise ConfigError(f"{'command line' if overridden else args.config}: {e}") from None
+        raise ConfigError(f"{args.config}{' (with command-line overrides)' if overridden else ''}: {e}") from None
 
 
 def main(argv=None):
