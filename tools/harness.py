@@ -138,7 +138,10 @@ def describe(point):
 
 
 def fmt(x, digits=2):
-    return "–" if x is None else f"{x:.{digits}f}"
+    """X with DIGITS decimals; DIGITS None: as short as exact (a median of epochs may be 3.5)."""
+    if x is None:
+        return "–"
+    return f"{x:g}" if digits is None else f"{x:.{digits}f}"
 
 
 def fmt_stat(stat, digits=2, missing="–"):
@@ -554,10 +557,12 @@ def plot_sweep(series, epochs_cap, target, path):
     for i, (label, points) in enumerate(series.items()):
         xs = [b for b, _ in points]
         ys = [e if e is not None else epochs_cap for _, e in points]
-        ax.plot(xs, ys, "-", color=f"C{i}", label=label)
+        # Distinct line styles: equal values would otherwise hide one series under the other.
+        ax.plot(xs, ys, ["-", "--"][i % 2], color=f"C{i}", label=label, linewidth=1.5)
         for x, (_, e), y in zip(xs, points, ys):
-            ax.plot([x], [y], "o" if e is not None else "^", color=f"C{i}",
-                    markerfacecolor=f"C{i}" if e is not None else "white")
+            ax.plot([x], [y], ("o" if i % 2 == 0 else "s") if e is not None else "^", color=f"C{i}",
+                    markersize=8 - 3 * (i % 2), markerfacecolor=f"C{i}" if e is not None else "white")
+    ax.set_ylim(bottom=0)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch (S-SGD: batch; SMA: k x b)")
     ax.set_ylabel(f"epochs to {target:.0%} test accuracy")
@@ -657,7 +662,7 @@ def compare_markdown(spec, rows, outcome):
     table = markdown_table(headers, [
         [r["name"] + ("" if r["name"] == r["method"] else f" ({r['method']})"), f"{r['best']} ({r['trials']} tried)",
          r["global_batch"] if r["global_batch"] is not None else "–", f"{r['reached']}/{r['seeds']}",
-         fmt_stat(r["epochs"], 0, "not reached"), fmt_stat(r["tta"], 2, "not reached"), fmt_stat(r["images_per_second"], 0),
+         fmt_stat(r["epochs"], None, "not reached"), fmt_stat(r["tta"], 2, "not reached"), fmt_stat(r["images_per_second"], 0),
          fmt_stat(r["best_accuracy"], 4), fmt_stat(r["trace_time"]), fmt_stat(r["epoch_start_wait"])]
         for r in rows])
     if ratio is None:
