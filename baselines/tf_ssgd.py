@@ -23,6 +23,7 @@ seed), every epoch's example order and augmentation (crossbow_tf.data.pipeline.t
 its padding dropped again), the learning-rate schedule (warm-up, step drops), the evaluation after
 every epoch on the test split, excluded from the training wall time, and the results format.
 """
+import contextlib
 import math
 import sys
 import time
@@ -32,6 +33,7 @@ from baselines._cli import parse_tf_ssgd_options
 from crossbow_tf.errors import ConfigError
 
 PROG = "python -m baselines.tf_ssgd"
+
 
 def select_devices(logical_cpu):
     """Device names to train on; splits the CPU first when asked (before TensorFlow runs anything).
@@ -229,11 +231,10 @@ def train(cfg, opts, log=print):
     from crossbow_tf.models import build_model
     from crossbow_tf.results import RunResults
 
-    for note in ([f"learners_per_device {cfg.learners_per_device} ignored: S-SGD runs one replica per device"]
-                 if cfg.learners_per_device != 1 else []) + \
-            ([f"algorithm.name {cfg.algorithm.name} ignored: this is synchronous SGD"]
-             if cfg.algorithm.name != "ssgd" else []):
-        log(f"note: {note}")
+    if cfg.learners_per_device != 1:
+        log(f"note: learners_per_device {cfg.learners_per_device} ignored: S-SGD runs one replica per device")
+    if cfg.algorithm.name != "ssgd":
+        log(f"note: algorithm.name {cfg.algorithm.name} ignored: this is synchronous SGD")
     data = load_dataset(cfg.data.name, cfg.data.data_dir)
     strategy = make_strategy(devices, cfg.devices.cross_device_reduction)
     replicas = len(devices)
@@ -242,8 +243,7 @@ def train(cfg, opts, log=print):
     schedule, scale = make_schedule(cfg, opts, global_batch, per_epoch)
 
     keras.utils.set_random_seed(cfg.seed)   # as crossbow's runs: same seed, same initial weights and orders
-    scope = strategy.scope() if strategy is not None else _null_scope()
-    with scope:
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = build_model(cfg.model, data.input_shape, data.num_classes)
         optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=cfg.algorithm.momentum,
                                          weight_decay=cfg.algorithm.weight_decay or None)
@@ -255,7 +255,8 @@ def train(cfg, opts, log=print):
                                                                  opts["input"])
     test_ds = eval_batches(data.test, cfg.eval_batch_size, data.eval_map)
 
-    kind = (f"MirroredStrategy over {replicas} devices ({type(strategy.extended._cross_device_ops).__name__})"
+    ops = getattr(strategy.extended, "_cross_device_ops", None) if strategy is not None else None
+    kind = (f"MirroredStrategy over {replicas} devices ({type(ops).__name__ if ops else 'default reduction'})"
             if strategy is not None else f"one device, no strategy ({devices[0]})")
     log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
         f"stock TensorFlow S-SGD: {kind}, Keras fit + SGD(momentum={cfg.algorithm.momentum}), "
@@ -310,14 +311,6 @@ def train(cfg, opts, log=print):
             log(f"time to {cfg.target_accuracy:.2%} test accuracy: {tta:.2f}s of training "
                 f"({results.epochs_to_accuracy(cfg.target_accuracy)} epochs)")
     return results
-
-
-class _null_scope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _print(line):

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:   # run as `python tools/compare.py` from anywhere, installed or not
     sys.path.insert(0, REPO)
 
-from baselines import METHODS, TOOL_SECTIONS  # noqa: E402
+from baselines import METHODS  # noqa: E402
 from baselines._cli import parse_tf_ssgd_options, read_yaml, split_sections  # noqa: E402
 from crossbow_tf import config as config_lib  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
