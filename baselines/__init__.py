@@ -37,7 +37,7 @@ METHODS = {
 
 BASELINES = {name: m for name, m in METHODS.items() if name != "sma"}
 
-# Top-level YAML sections that belong to tools and baselines, not to crossbow_tf.config.
-TOOL_SECTIONS = ("compare", "sweep", "tf_ssgd")
+# Top-level YAML sections that belong to tools and baselines; crossbow_tf.config sets them aside.
+from crossbow_tf.config import TOOL_SECTIONS  # noqa: E402  (one definition, shared)
 
 __all__ = ["BASELINES", "METHODS", "Method", "TOOL_SECTIONS"]

@@ -61,7 +61,9 @@ class ExperimentConfig:
     stop_at_target: bool = True
     seed: int = 0
     eval_batch_size: int = 500
-    jit_compile: bool = False
+    jit_compile: bool = False                # XLA for the whole step (slower for convolutions on CPU)
+    jit_update: bool = True                  # XLA for the memory-bound update only (faster on CPU)
+    learners: str = "auto"                   # fused | replicated | auto (fused when every layer allows)
 
 
 def _check_type(path, value, annotation):
@@ -127,6 +129,8 @@ def _validate(c):
             raise ConfigError(message)
     need(c.algorithm.name in ("sma", "ssgd", "easgd"),
          f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose sma, ssgd or easgd")
+    need(c.learners in ("auto", "fused", "replicated"),
+         f"learners: unknown {c.learners!r}; choose auto, fused or replicated")
     need(c.learners_per_device == "auto"
          or (isinstance(c.learners_per_device, int) and c.learners_per_device >= 1),
          f"learners_per_device: must be a positive integer or \"auto\", got {c.learners_per_device!r}")
@@ -165,7 +169,14 @@ def _validate(c):
     return c
 
 
+# Top-level sections that belong to tools/ and baselines/ (read by them, set aside here), so that
+# one YAML file can describe an experiment and its comparison.
+TOOL_SECTIONS = ("compare", "sweep", "tf_ssgd")
+
+
 def from_dict(mapping):
+    if isinstance(mapping, dict):
+        mapping = {k: v for k, v in mapping.items() if k not in TOOL_SECTIONS}
     return _validate(_build(ExperimentConfig, mapping, ""))
 
 

@@ -74,7 +74,7 @@ def run_experiment(cfg, log=print):
     data = load_dataset(cfg.data.name, cfg.data.data_dir)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
-    engine_kwargs = dict(jit_compile=cfg.jit_compile)   # the tuner measures the Engine that will train
+    engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners)   # the tuner measures the Engine that will train
     tuning = None
     if cfg.learners_per_device == "auto":
         tuning = tune_learners(cfg, devices, data, loss, algorithm, log=log, **engine_kwargs)

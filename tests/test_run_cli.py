@@ -80,3 +80,20 @@ def test_unknown_model_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown model 'nope'"):
         from crossbow_tf.models import build_model
         build_model("nope", (28, 28, 1), 10)
+
+
+def test_config_with_tool_sections_loads(tmp_path):
+    """One YAML can hold an experiment and its comparison: the run ignores compare/sweep/tf_ssgd."""
+    path = tmp_path / "with_tools.yaml"
+    path.write_text("model: lenet\ncompare: {seeds: [0]}\nsweep: {}\ntf_ssgd: {}\n")
+    assert config_lib.load_config(str(path)).model == "lenet"
+    path.write_text("model: lenet\ncompares: {}\n")
+    with pytest.raises(ConfigError, match="compares: unknown key"):
+        config_lib.load_config(str(path))
+
+
+def test_learners_option_is_validated(tmp_path):
+    path = tmp_path / "learners.yaml"
+    path.write_text("learners: fast\n")
+    with pytest.raises(ConfigError, match="learners: unknown 'fast'"):
+        config_lib.load_config(str(path))
