@@ -7,6 +7,10 @@ tf.data pipeline, after one warm-up epoch that absorbs tracing.
 
     python tools/bench_throughput.py                 # LeNet, b=16, k in 1 2 4 8 16
     python tools/bench_throughput.py --ks 1 8 --rounds 5 --devices 2
+    python tools/bench_throughput.py --model resnet32 --data cifar-shaped --examples 512
+
+The last column is the SMA update's share of an iteration: the in-place learner and central
+updates alone (on stand-in gradients), timed side by side with the whole step.
 """
 import argparse
 import os
@@ -24,6 +28,9 @@ def parse_args(argv):
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="numbers of learners k")
     p.add_argument("--devices", type=int, default=1, help="logical CPU devices the learners are spread over")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median reported)")
+    p.add_argument("--data", default="mnist", choices=["mnist", "cifar-shaped"],
+                   help="embedded MNIST, or random CIFAR-shaped 32x32x3 images with 10 classes")
+    p.add_argument("--examples", type=int, default=None, help="examples per measured epoch (default: all)")
     p.add_argument("--learners", default="fused", choices=["fused", "replicated"],
                    help="how a device runs its learners")
     args = p.parse_args(argv)
@@ -41,15 +48,23 @@ def main(argv=None):
     devices = split_cpu(args.devices)
     import keras
     import numpy as np
+    import tensorflow as tf
 
     from crossbow_tf.algorithms import SMA
-    from crossbow_tf.data import load_dataset
+    from crossbow_tf.data import from_arrays, load_embedded_mnist
     from crossbow_tf.data.pipeline import train_batches
     from crossbow_tf.distribute import CrossbowStrategy
     from crossbow_tf.engine.core import Engine
     from crossbow_tf.models import build_model
 
-    data = load_dataset("mnist_embedded")
+    if args.data == "mnist":
+        (xa, ya), _ = load_embedded_mnist()
+    else:
+        rng = np.random.default_rng(0)
+        xa = rng.random((4000, 32, 32, 3), dtype=np.float32)
+        ya = rng.integers(0, 10, 4000).astype(np.int32)
+    n = min(args.examples or len(ya), len(ya))
+    data = from_arrays(args.data, (xa[:n], ya[:n]), (xa[:1], ya[:1]), num_classes=10)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     b = args.batch_size
 
@@ -82,26 +97,57 @@ def main(argv=None):
             start = time.perf_counter()
             one_epoch(1)
             return data.train.size / (time.perf_counter() - start)
-        return epoch
+
+        # The update alone, on stand-in gradients, and one whole step, timed back to back.
+        grads = [[tf.random.normal(w.shape) for w in device_weights] for device_weights in engine.weights]
+        lr = tf.constant(0.01)
+
+        @tf.function
+        def update_only():
+            for d in range(len(devices)):
+                for i, g in enumerate(grads[d]):
+                    total = engine._local_update(engine.weights[d][i], engine.velocities[d][i], g,
+                                                 engine.center[d][i], lr, 1.0)
+                    engine._central_update(engine.center[d][i], engine.center_velocity[d][i], total, lr)
+            return lr
+        xb, yb, mb = next(iter(train_batches(data.train, k * b, 0, shuffle=False)))
+
+        def update_share():
+            update_only()
+            engine.train_step(xb, yb, mb, 0.01)
+            start = time.perf_counter()
+            for _ in range(5):
+                update_only().numpy()
+            mid = time.perf_counter()
+            for _ in range(5):
+                float(engine.train_step(xb, yb, mb, 0.01)[0])
+            return (mid - start) / (time.perf_counter() - mid)
+        return epoch, update_share
 
     runners = {("keras", b): keras_runner(b)}
+    shares = {}
     for k in args.ks:
         runners.setdefault(("keras", k * b), keras_runner(k * b))
-        runners[("sma", k)] = sma_runner(k)
+        runners[("sma", k)], shares[k] = sma_runner(k)
     samples = {key: [] for key in runners}
+    share_samples = {k: [] for k in args.ks}
     for r in range(args.rounds):
         for key, run in runners.items():
             samples[key].append(run())
+        for k, share in shares.items():
+            share_samples[k].append(share())
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     med = {key: statistics.median(v) for key, v in samples.items()}
 
-    print(f"# {args.model}, per-learner batch b={b}, {len(devices)} logical CPU device(s), "
+    print(f"# {args.model} on {args.data} ({data.train.size} examples per epoch), per-learner batch b={b}, "
+          f"{len(devices)} logical CPU device(s), "
           f"{args.learners} learners, median of {args.rounds} interleaved rounds (images/s)\n")
-    print(f"| k | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) |")
-    print("|---|---|---|---|---|---|")
+    print("| k | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) | update share |")
+    print("|---|---|---|---|---|---|---|")
     for k in args.ks:
         sma, big, small = med[("sma", k)], med[("keras", k * b)], med[("keras", b)]
-        print(f"| {k} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} |")
+        share = statistics.median(share_samples[k])
+        print(f"| {k} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} | {share:.0%} |")
     spread = max((max(v) - min(v)) / statistics.median(v) for v in samples.values())
     print(f"\nlargest spread across rounds (max-min)/median: {spread:.0%}")
     return 0

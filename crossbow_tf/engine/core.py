@@ -98,15 +98,13 @@ class Engine:
                 losses, grads, new_states, preds = self.learners(weights, states, x[d], y[d], mask[d])
                 counts = tf.reduce_sum(mask[d], axis=1)
                 share = counts / tf.maximum(total_count, 1.0)
-                sums = []
-                for i, g in enumerate(grads):
-                    share_b = tf.reshape(share, [m] + [1] * (len(g.shape) - 1))
-                    if alg.gradient_at_center:
-                        _, _, contribution = alg.local(None, None, g, self.center[d][i], lr, share_b)
-                        sums.append(tf.reduce_sum(contribution, axis=0))
-                    else:
-                        sums.append(self._local_update(self.weights[d][i], self.velocities[d][i], g,
-                                                       self.center[d][i], lr, share_b))
+                shares = [tf.reshape(share, [m] + [1] * (len(g.shape) - 1)) for g in grads]
+                if alg.gradient_at_center:
+                    sums = [tf.reduce_sum(alg.local(None, None, g, z, lr, s)[2], axis=0)
+                            for g, z, s in zip(grads, self.center[d], shares)]
+                else:
+                    sums = self._local_update(self.weights[d], self.velocities[d], grads,
+                                              self.center[d], lr, shares)
                 state_sums = [tf.reduce_sum(s, axis=0) for s, f in zip(new_states, self._float_state) if f]
                 loss_sum = tf.reduce_sum(losses * counts)
                 local.append(dict(states=new_states, sums=sums + state_sums,
@@ -117,8 +115,7 @@ class Engine:
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
                 totals, state_totals = reduced[d][:n_weights], reduced[d][n_weights:]
-                for i, total in enumerate(totals):
-                    self._central_update(self.center[d][i], self.center_velocity[d][i], total, lr)
+                self._central_update(self.center[d], self.center_velocity[d], totals, lr)
                 float_states = iter(state_totals)
                 for i, s in enumerate(local[d]["states"]):
                     self.states[d][i].assign(s)
@@ -129,17 +126,22 @@ class Engine:
         preds = tf.concat([tf.reshape(l["preds"], [m * b] + l["preds"].shape[2:].as_list()) for l in local], 0)
         return loss, preds
 
-    def _local_update_fn(self, w, v, g, z, lr, share):
-        """Applies the learners' rule in place; returns the sum of their contributions."""
-        new_w, new_v, contribution = self.algorithm.local(w, v, g, z, lr, share)
-        w.assign(new_w)
-        v.assign(new_v)
-        return tf.reduce_sum(contribution, axis=0)
+    def _local_update_fn(self, weights, velocities, grads, centers, lr, shares):
+        """Applies the learners' rule in place to every weight of a device (one XLA launch);
+        returns the sums of their contributions."""
+        sums = []
+        for w, v, g, z, share in zip(weights, velocities, grads, centers, shares):
+            new_w, new_v, contribution = self.algorithm.local(w, v, g, z, lr, share)
+            w.assign(new_w)
+            v.assign(new_v)
+            sums.append(tf.reduce_sum(contribution, axis=0))
+        return sums
 
-    def _central_update_fn(self, z, u, total, lr):
-        new_z, new_u = self.algorithm.central(z, u, total, lr)
-        z.assign(new_z)
-        u.assign(new_u)
+    def _central_update_fn(self, centers, center_velocities, totals, lr):
+        for z, u, total in zip(centers, center_velocities, totals):
+            new_z, new_u = self.algorithm.central(z, u, total, lr)
+            z.assign(new_z)
+            u.assign(new_u)
 
     def reset_learners(self):
         """Sets every learner's weights and float state to the central model's (velocities kept)."""
