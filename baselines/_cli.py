@@ -10,27 +10,11 @@ import argparse
 import os
 import sys
 
-import yaml
 
 from baselines import TOOL_SECTIONS
 from crossbow_tf import config as config_lib
+from crossbow_tf.config import read_yaml  # noqa: F401  (tools import it from here too)
 from crossbow_tf.errors import ConfigError, CrossbowError
-
-
-def read_yaml(path):
-    """The mapping in YAML file PATH (PyYAML's safe loader); ConfigError names the problem."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        with open(path) as f:
-            mapping = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if mapping is None:
-        mapping = {}
-    if not isinstance(mapping, dict):
-        raise ConfigError(f"{path}: expected a mapping of settings, got {type(mapping).__name__}")
-    return mapping
 
 
 def split_sections(mapping):

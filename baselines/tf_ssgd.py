@@ -303,13 +303,7 @@ def train(cfg, opts, log=print):
     results.extra["optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     results.extra["crossbow_modules"] = crossbow_modules()
     if cfg.target_accuracy is not None:
-        tta = results.time_to_accuracy(cfg.target_accuracy)
-        if tta is None:
-            log(f"target accuracy {cfg.target_accuracy:.2%} not reached in {len(results.evaluations)} epochs "
-                f"(best {results.best_accuracy:.2%})")
-        else:
-            log(f"time to {cfg.target_accuracy:.2%} test accuracy: {tta:.2f}s of training "
-                f"({results.epochs_to_accuracy(cfg.target_accuracy)} epochs)")
+        log(results.target_summary(cfg.target_accuracy))
     return results
 
 

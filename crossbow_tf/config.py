@@ -180,8 +180,8 @@ def from_dict(mapping):
     return _validate(_build(ExperimentConfig, mapping, ""))
 
 
-def load_config(path):
-    """Reads and validates the YAML experiment at PATH; raises ConfigError naming the problem."""
+def read_yaml(path):
+    """The mapping in YAML file PATH (PyYAML's safe loader); ConfigError names the problem."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file not found")
     try:
@@ -189,6 +189,16 @@ def load_config(path):
             mapping = yaml.safe_load(f)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(mapping).__name__}")
+    return mapping
+
+
+def load_config(path):
+    """Reads and validates the YAML experiment at PATH; raises ConfigError naming the problem."""
+    mapping = read_yaml(path)
     try:
         return from_dict(mapping)
     except ConfigError as e:

@@ -101,11 +101,5 @@ def run_experiment(cfg, log=print):
           eval_batch_size=cfg.eval_batch_size, log=log)
     results.extra["total_time"] = time.perf_counter() - start
     if cfg.target_accuracy is not None:
-        tta = results.time_to_accuracy(cfg.target_accuracy)
-        if tta is None:
-            log(f"target accuracy {cfg.target_accuracy:.2%} not reached in {len(results.evaluations)} epochs "
-                f"(best {results.best_accuracy:.2%})")
-        else:
-            log(f"time to {cfg.target_accuracy:.2%} test accuracy: {tta:.2f}s of training "
-                f"({results.epochs_to_accuracy(cfg.target_accuracy)} epochs)")
+        log(results.target_summary(cfg.target_accuracy))
     return results

@@ -5,6 +5,7 @@ A run is a JSON file: method, configuration, environment, and per evaluation the
 the evaluated model (z for SMA).
 """
 import json
+import math
 import os
 import platform
 import time
@@ -49,6 +50,28 @@ def environment():
     }
 
 
+def first_reaching(evaluations, target):
+    """The first of EVALUATIONS (in order) whose accuracy reaches TARGET, or None.
+
+    Time to target is measured at evaluation points, as runs are evaluated: a run that crosses the
+    target mid-epoch is credited at the end of that epoch, whichever method it is.
+    """
+    previous = -math.inf
+    for e in evaluations:
+        if e["wall_time"] < previous:
+            raise ValueError(f"wall_time goes backwards at epoch {e['epoch']}: {e['wall_time']} < {previous}")
+        previous = e["wall_time"]
+        if e["accuracy"] >= target:   # NaN never reaches
+            return e
+    return None
+
+
+def time_to_target(evaluations, target):
+    """(wall_time, epoch) of the first evaluation reaching TARGET, or None."""
+    hit = first_reaching(evaluations, target)
+    return None if hit is None else (hit["wall_time"], hit["epoch"])
+
+
 class RunResults:
     def __init__(self, method, config=None, env=None, evaluations=None, **extra):
         self.method = method
@@ -71,10 +94,15 @@ class RunResults:
         return None if hit is None else hit["epoch"]
 
     def first_reaching(self, target):
-        for e in self.evaluations:
-            if e["accuracy"] >= target:
-                return e
-        return None
+        return first_reaching(self.evaluations, target)
+
+    def target_summary(self, target):
+        """One line: the time and epochs to TARGET, or that it was not reached."""
+        hit = self.first_reaching(target)
+        if hit is None:
+            return (f"target accuracy {target:.2%} not reached in {len(self.evaluations)} epochs "
+                    f"(best {self.best_accuracy:.2%})")
+        return f"time to {target:.2%} test accuracy: {hit['wall_time']:.2f}s of training ({hit['epoch']} epochs)"
 
     @property
     def best_accuracy(self):

@@ -56,7 +56,6 @@ def main(argv=None):
     devices = split_cpu(args.devices)          # before anything else makes TensorFlow initialise
 
     import keras
-    import tensorflow as tf
 
     from crossbow_tf.algorithms import SMA
     from crossbow_tf.data import load_dataset

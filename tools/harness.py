@@ -30,6 +30,7 @@ if REPO not in sys.path:   # run as `python tools/compare.py` from anywhere, ins
 
 from baselines import METHODS  # noqa: E402
 from baselines._cli import parse_tf_ssgd_options, read_yaml, split_sections  # noqa: E402
+from crossbow_tf.results import time_to_target  # noqa: E402,F401  (the one TTA rule, used here and by tests)
 from crossbow_tf import config as config_lib  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
 from crossbow_tf.results import format_problems  # noqa: E402
@@ -39,23 +40,6 @@ MARKER = ".crossbow_report"   # marks a directory as ours, so --force never empt
 
 # ---------------------------------------------------------------------------------------------
 # Pure functions: time to target, summaries, statistics over seeds, grids.
-
-def time_to_target(evaluations, target):
-    """(wall_time, epoch) of the first evaluation whose accuracy reaches TARGET, or None.
-
-    EVALUATIONS are a run's evaluations in order (dicts with wall_time, epoch, accuracy). Time to
-    target is measured at evaluation points, as the runs are evaluated: a run that crosses the
-    target mid-epoch is credited at the end of that epoch, whichever method it is.
-    """
-    previous = -math.inf
-    for e in evaluations:
-        if e["wall_time"] < previous:
-            raise ValueError(f"wall_time goes backwards at epoch {e['epoch']}: {e['wall_time']} < {previous}")
-        previous = e["wall_time"]
-        if e["accuracy"] >= target:   # NaN never reaches
-            return e["wall_time"], e["epoch"]
-    return None
-
 
 def run_summary(results, target):
     """The numbers the report needs from one results mapping (a loaded RunResults file)."""

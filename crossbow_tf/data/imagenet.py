@@ -25,7 +25,6 @@ import logging
 import os
 from typing import Callable, Optional, Tuple
 
-import numpy as np
 import tensorflow as tf
 
 from crossbow_tf.data import augment
