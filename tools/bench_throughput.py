@@ -105,10 +105,9 @@ def main(argv=None):
         @tf.function
         def update_only():
             for d in range(len(devices)):
-                for i, g in enumerate(grads[d]):
-                    total = engine._local_update(engine.weights[d][i], engine.velocities[d][i], g,
-                                                 engine.center[d][i], lr, 1.0)
-                    engine._central_update(engine.center[d][i], engine.center_velocity[d][i], total, lr)
+                totals = engine._local_update(engine.weights[d], engine.velocities[d], grads[d],
+                                              engine.center[d], lr, [1.0] * len(grads[d]))
+                engine._central_update(engine.center[d], engine.center_velocity[d], totals, lr)
             return lr
         xb, yb, mb = next(iter(train_batches(data.train, k * b, 0, shuffle=False)))
 

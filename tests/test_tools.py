@@ -1,0 +1,45 @@
+"""The benchmark scripts run end to end on a tiny budget and print the tables they promise."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_tool(*args, timeout=600):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def table_rows(text):
+    return [line for line in text.splitlines() if re.match(r"\| *\w", line) and "---" not in line][1:]
+
+
+def test_bench_throughput_prints_ratios_and_the_update_share():
+    proc = run_tool("tools/bench_throughput.py", "--ks", "1", "2", "--rounds", "1", "--examples", "96")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[1:6])
+        assert 0 < float(cells[6].rstrip("%")) < 100
+
+
+def test_bench_input_prints_pipeline_and_training_rates():
+    proc = run_tool("tools/bench_input.py", "--models", "lenet", "--iterations", "3", "--devices", "1",
+                    "--learners-per-device", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lenet" in proc.stdout.lower()
+    assert re.search(r"\d+(\.\d+)?x", proc.stdout), proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [(["--ks", "3", "--devices", "2"], "not a positive multiple"),
+                                           (["--rounds", "0"], "at least 1")])
+def test_bench_throughput_rejects_bad_arguments(args, message):
+    proc = run_tool("tools/bench_throughput.py", *args)
+    assert proc.returncode == 2 and message in proc.stderr
