@@ -52,7 +52,7 @@ def main(argv=None):
 
     from crossbow_tf.algorithms import SMA
     from crossbow_tf.data import from_arrays, load_embedded_mnist
-    from crossbow_tf.data.pipeline import train_batches
+    from crossbow_tf.data.pipeline import input_options, train_batches
     from crossbow_tf.distribute import CrossbowStrategy
     from crossbow_tf.engine.core import Engine
     from crossbow_tf.models import build_model
@@ -75,7 +75,9 @@ def main(argv=None):
     def keras_runner(batch):
         model = fresh_model()
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
-        ds = data.train.dataset.batch(batch).prefetch(-1)
+        # The same input set-up as the engine's pipeline (crossbow_tf.data.pipeline), so that both
+        # sides are measured with the same tf.data threading.
+        ds = data.train.dataset.batch(batch).prefetch(2).with_options(input_options())
         model.fit(ds, epochs=1, verbose=0, shuffle=False)           # warm-up: traces the step
 
         def epoch():
