@@ -31,6 +31,8 @@ def parse_args(argv):
     p.add_argument("--data", default="mnist", choices=["mnist", "cifar-shaped"],
                    help="embedded MNIST, or random CIFAR-shaped 32x32x3 images with 10 classes")
     p.add_argument("--examples", type=int, default=None, help="examples per measured epoch (default: all)")
+    p.add_argument("--no-jit-update", dest="jit_update", action="store_false",
+                   help="run the update without XLA (to see what the XLA-fused update saves)")
     p.add_argument("--learners", default="fused", choices=["fused", "replicated"],
                    help="how a device runs its learners")
     args = p.parse_args(argv)
@@ -88,7 +90,7 @@ def main(argv=None):
 
     def sma_runner(k):
         strategy = CrossbowStrategy(devices=devices, learners_per_device=k // len(devices))
-        engine = Engine(fresh_model(), loss, SMA(), strategy, learners=args.learners)
+        engine = Engine(fresh_model(), loss, SMA(), strategy, learners=args.learners, jit_update=args.jit_update)
 
         def one_epoch(epoch):
             for x, y, mask in train_batches(data.train, k * b, epoch, shuffle=False):
@@ -141,7 +143,7 @@ def main(argv=None):
     med = {key: statistics.median(v) for key, v in samples.items()}
 
     print(f"# {args.model} on {args.data} ({data.train.size} examples per epoch), per-learner batch b={b}, "
-          f"{len(devices)} logical CPU device(s), "
+          f"{len(devices)} logical CPU device(s), update {'with' if args.jit_update else 'without'} XLA, "
           f"{args.learners} learners, median of {args.rounds} interleaved rounds (images/s)\n")
     print("| k | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) | update share |")
     print("|---|---|---|---|---|---|---|")
