@@ -122,7 +122,8 @@ class Engine:
                     if self._float_state[i]:
                         # z's BatchNorm statistics are the mean of all learners' statistics.
                         self.center_states[d][i].assign(next(float_states) / k)
-        loss = tf.add_n([l["loss_sum"] for l in local]) / tf.maximum(total_count, 1.0)
+        # A stacked sum, not add_n: AddN's order (and so the reported loss's last bit) varies by run.
+        loss = tf.reduce_sum(tf.stack([l["loss_sum"] for l in local])) / tf.maximum(total_count, 1.0)
         preds = tf.concat([tf.reshape(l["preds"], [m * b] + l["preds"].shape[2:].as_list()) for l in local], 0)
         return loss, preds
 
