@@ -106,12 +106,11 @@ def main(argv=None):
         grads = [[tf.random.normal(w.shape) for w in device_weights] for device_weights in engine.weights]
         lr = tf.constant(0.01)
 
-        @tf.function
+        @tf.function(autograph=False)
         def update_only():
             for d in range(len(devices)):
-                totals = engine._local_update(engine.weights[d], engine.velocities[d], grads[d],
-                                              engine.center[d], lr, [1.0] * len(grads[d]))
-                engine._central_update(engine.center[d], engine.center_velocity[d], totals, lr)
+                totals = engine.update_learners(d, grads[d], lr, [1.0] * len(grads[d]))
+                engine.update_center(d, totals, lr)
             return lr
         xb, yb, mb = next(iter(train_batches(data.train, k * b, 0, shuffle=False)))
 

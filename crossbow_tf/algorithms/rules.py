@@ -13,6 +13,13 @@ Each algorithm splits one iteration in two halves that the engine places:
 import dataclasses
 
 
+def _velocity(momentum, v, lr, g, weight_decay, w):
+    """momentum*v - lr*(g + weight_decay*w), with zero coefficients left out rather than multiplied:
+    0*x is not 0 for inf or NaN, so a compiler must still read x, and the update is memory-bound."""
+    step = g if weight_decay == 0 else g + weight_decay * w
+    return -lr * step if momentum == 0 else momentum * v - lr * step
+
+
 @dataclasses.dataclass(frozen=True)
 class SMA:
     """Synchronous model averaging (Crossbow, Koliousis et al. 2019).
@@ -34,7 +41,7 @@ class SMA:
         return dataclasses.replace(self, alpha=alpha)
 
     def local(self, w, v, g, z, lr, share=None):
-        v = self.momentum * v - lr * (g + self.weight_decay * w)
+        v = _velocity(self.momentum, v, lr, g, self.weight_decay, w)
         delta = self.alpha * (w - z)
         return w + v - delta, v, delta
 
@@ -64,7 +71,7 @@ class SynchronousSGD:
         return None, None, share * g
 
     def central(self, z, u, total, lr):
-        u = self.momentum * u - lr * (total + self.weight_decay * z)
+        u = _velocity(self.momentum, u, lr, total, self.weight_decay, z)
         return z + u, u
 
 
@@ -90,7 +97,7 @@ class ElasticAveragingSGD:
 
     def local(self, w, v, g, z, lr, share=None):
         delta = self.alpha * (w - z)
-        v = self.momentum * v - lr * (g + self.weight_decay * w)
+        v = _velocity(self.momentum, v, lr, g, self.weight_decay, w)
         return w + v - delta, v, delta
 
     def central(self, z, u, total, lr):

@@ -15,7 +15,7 @@ class Evaluator:
     def __init__(self, model, loss):
         self.model = model
         self.per_example_loss = per_example_loss_fn(loss)
-        self._batch = tf.function(self._batch_fn)
+        self._batch = tf.function(self._batch_fn, autograph=False)
 
     def _batch_fn(self, x, y):
         logits = self.model(x, training=False)
