@@ -20,14 +20,16 @@ def table_rows(text):
 
 
 def test_bench_throughput_prints_ratios_and_the_update_share():
-    proc = run_tool("tools/bench_throughput.py", "--ks", "1", "2", "--rounds", "1", "--examples", "96")
+    proc = run_tool("tools/bench_throughput.py", "--ks", "1", "2", "--rounds", "1", "--examples", "96",
+                    "--learner-momentum", "0.9", "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = table_rows(proc.stdout)
-    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
+    assert [tuple(c.strip() for c in r.split("|")[1:3]) for r in rows] == [
+        ("1", "0.9"), ("1", "0"), ("2", "0.9"), ("2", "0")]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert all(float(c) > 0 for c in cells[1:6])
-        assert 0 < float(cells[6].rstrip("%")) < 100
+        assert all(float(c) > 0 for c in cells[2:7])
+        assert 0 < float(cells[7].rstrip("%")) < 100
 
 
 def test_bench_input_prints_pipeline_and_training_rates():
@@ -39,7 +41,8 @@ def test_bench_input_prints_pipeline_and_training_rates():
 
 
 @pytest.mark.parametrize("args, message", [(["--ks", "3", "--devices", "2"], "not a positive multiple"),
-                                           (["--rounds", "0"], "at least 1")])
+                                           (["--rounds", "0"], "at least 1"),
+                                           (["--learner-momentum", "-0.5"], "--learner-momentum")])
 def test_bench_throughput_rejects_bad_arguments(args, message):
     proc = run_tool("tools/bench_throughput.py", *args)
     assert proc.returncode == 2 and message in proc.stderr

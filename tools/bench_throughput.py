@@ -33,6 +33,8 @@ def parse_args(argv):
     p.add_argument("--examples", type=int, default=None, help="examples per measured epoch (default: all)")
     p.add_argument("--no-jit-update", dest="jit_update", action="store_false",
                    help="run the update without XLA (to see what the XLA-fused update saves)")
+    p.add_argument("--learner-momentum", type=float, nargs="+", default=[0.9],
+                   help="SMA's learner momentum, one row per value (0: plain learner steps, no velocities)")
     p.add_argument("--learners", default="fused", choices=["fused", "replicated"],
                    help="how a device runs its learners")
     args = p.parse_args(argv)
@@ -41,6 +43,8 @@ def parse_args(argv):
         p.error(f"--ks {bad[0]} is not a positive multiple of --devices {args.devices}")
     if args.rounds < 1 or args.batch_size < 1:
         p.error("--rounds and --batch-size must be at least 1")
+    if any(not 0 <= mu < 1 for mu in args.learner_momentum):
+        p.error("--learner-momentum values must be in [0, 1)")
     return args
 
 
@@ -88,9 +92,10 @@ def main(argv=None):
             return data.train.size / (time.perf_counter() - start)
         return epoch
 
-    def sma_runner(k):
+    def sma_runner(k, momentum):
         strategy = CrossbowStrategy(devices=devices, learners_per_device=k // len(devices))
-        engine = Engine(fresh_model(), loss, SMA(), strategy, learners=args.learners, jit_update=args.jit_update)
+        engine = Engine(fresh_model(), loss, SMA(momentum=momentum), strategy, learners=args.learners,
+                        jit_update=args.jit_update)
 
         def one_epoch(epoch):
             for x, y, mask in train_batches(data.train, k * b, epoch, shuffle=False):
@@ -128,28 +133,31 @@ def main(argv=None):
 
     runners = {("keras", b): keras_runner(b)}
     shares = {}
-    for k in args.ks:
+    rows = [(k, mu) for k in args.ks for mu in args.learner_momentum]
+    for k, mu in rows:
         runners.setdefault(("keras", k * b), keras_runner(k * b))
-        runners[("sma", k)], shares[k] = sma_runner(k)
+        runners[("sma", k, mu)], shares[k, mu] = sma_runner(k, mu)
     samples = {key: [] for key in runners}
-    share_samples = {k: [] for k in args.ks}
+    share_samples = {row: [] for row in rows}
     for r in range(args.rounds):
         for key, run in runners.items():
             samples[key].append(run())
-        for k, share in shares.items():
-            share_samples[k].append(share())
+        for row, share in shares.items():
+            share_samples[row].append(share())
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     med = {key: statistics.median(v) for key, v in samples.items()}
 
     print(f"# {args.model} on {args.data} ({data.train.size} examples per epoch), per-learner batch b={b}, "
           f"{len(devices)} logical CPU device(s), update {'with' if args.jit_update else 'without'} XLA, "
           f"{args.learners} learners, median of {args.rounds} interleaved rounds (images/s)\n")
-    print("| k | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) | update share |")
-    print("|---|---|---|---|---|---|---|")
-    for k in args.ks:
-        sma, big, small = med[("sma", k)], med[("keras", k * b)], med[("keras", b)]
-        share = statistics.median(share_samples[k])
-        print(f"| {k} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} | {share:.0%} |")
+    print("| k | learner momentum | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) "
+          "| update share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, mu in rows:
+        sma, big, small = med[("sma", k, mu)], med[("keras", k * b)], med[("keras", b)]
+        share = statistics.median(share_samples[k, mu])
+        print(f"| {k} | {mu:g} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} "
+              f"| {share:.0%} |")
     spread = max((max(v) - min(v)) / statistics.median(v) for v in samples.values())
     print(f"\nlargest spread across rounds (max-min)/median: {spread:.0%}")
     return 0

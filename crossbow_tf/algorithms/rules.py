@@ -15,7 +15,8 @@ import dataclasses
 
 def _velocity(momentum, v, lr, g, weight_decay, w):
     """momentum*v - lr*(g + weight_decay*w), with zero coefficients left out rather than multiplied:
-    0*x is not 0 for inf or NaN, so a compiler must still read x, and the update is memory-bound."""
+    0*x is not 0 for inf or NaN, so a compiler must still read x, and the update is memory-bound.
+    V may be None when MOMENTUM is 0."""
     step = g if weight_decay == 0 else g + weight_decay * w
     return -lr * step if momentum == 0 else momentum * v - lr * step
 
@@ -35,6 +36,11 @@ class SMA:
     name = "sma"
     gradient_at_center = False
     reset_on_lr_drop = True
+
+    @property
+    def keeps_learner_velocity(self):
+        """Whether learners need a velocity: with momentum 0 they take plain gradient steps."""
+        return self.momentum != 0
 
     def resolve(self, num_learners):
         alpha = 1.0 / num_learners if self.alpha is None else self.alpha
@@ -63,6 +69,7 @@ class SynchronousSGD:
     name = "ssgd"
     gradient_at_center = True
     reset_on_lr_drop = False
+    keeps_learner_velocity = False
 
     def resolve(self, num_learners):
         return self
@@ -90,6 +97,10 @@ class ElasticAveragingSGD:
     name = "easgd"
     gradient_at_center = False
     reset_on_lr_drop = False
+
+    @property
+    def keeps_learner_velocity(self):
+        return self.momentum != 0
 
     def resolve(self, num_learners):
         alpha = 0.9 / num_learners if self.alpha is None else self.alpha

@@ -37,6 +37,8 @@ class Engine:
         self.weights, self.velocities, self.states = [], [], []
         self.center, self.center_velocity, self.center_states = [], [], []
         learner_weights = not self.algorithm.gradient_at_center
+        # Without learner momentum the velocities would only be written, never read: not kept.
+        self._keeps_velocity = learner_weights and self.algorithm.keeps_learner_velocity
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
                 self.center.append([tf.Variable(w, name="z") for w in trainable])
@@ -45,15 +47,19 @@ class Engine:
                 if learner_weights:
                     self.weights.append([tf.Variable(np.stack([w] * m), name="w") for w in trainable])
                     self.velocities.append(
-                        [tf.Variable(np.zeros((m,) + w.shape, w.dtype), name="v") for w in trainable])
+                        [tf.Variable(np.zeros((m,) + w.shape, w.dtype), name="v") for w in trainable]
+                        if self._keeps_velocity else [])
                 self.states.append([tf.Variable(self._learner_states(s, is_float, d), name="state")
                                     for s, is_float in zip(states, self._float_state)])
-        # The update touches every learner's copy of every weight several times and is memory-bound;
-        # compiling it with XLA fuses those passes into one (measured here: 8.7 ms instead of
-        # 16.5 ms per iteration for 8 LeNet learners). The rest of the step stays un-jitted unless
-        # JIT_COMPILE asks, because XLA is slower for the convolutions on CPU.
+        # The learners' update touches every learner's copy of every weight several times and is
+        # memory-bound; compiling it with XLA fuses those passes (measured here: 8.7 ms instead of
+        # 16.5 ms per iteration for 8 LeNet learners). The central update touches one copy: compiling
+        # it cost 0.13 s at start-up and saved nothing per iteration (LeNet, 8 learners), so it is not.
+        # The rest of the step stays un-jitted unless JIT_COMPILE asks: XLA is slower for the
+        # convolutions on CPU. No AutoGraph: the step has no tensor-dependent Python control flow,
+        # and converting it took 1.2 of its 1.4 s of tracing.
         self._local_update = tf.function(self._local_update_fn, jit_compile=jit_update, autograph=False)
-        self._central_update = tf.function(self._central_update_fn, jit_compile=jit_update, autograph=False)
+        self._central_update = tf.function(self._central_update_fn, autograph=False)
         self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
         self._reset = tf.function(self._reset_fn, autograph=False)
 
@@ -134,10 +140,11 @@ class Engine:
         copy every weight stack first (the sum still reads the old weights after the in-place write),
         one more pass over the largest tensors; the assignment outside adopts the new buffers."""
         new_weights, new_velocities, sums = [], [], []
-        for w, v, g, z, share in zip(weights, velocities, grads, centers, shares):
+        for w, v, g, z, share in zip(weights, velocities or [None] * len(weights), grads, centers, shares):
             new_w, new_v, contribution = self.algorithm.local(w, v, g, z, lr, share)
             new_weights.append(new_w)
-            new_velocities.append(new_v)
+            if velocities:
+                new_velocities.append(new_v)
             sums.append(tf.reduce_sum(contribution, axis=0))
         return new_weights, new_velocities, sums
 

@@ -331,7 +331,8 @@ class CrossbowTraining:
                 engine.center_velocity[d][i].assign(np.zeros_like(w))
                 if engine.weights:
                     engine.weights[d][i].assign(np.stack([w] * m))
-                    engine.velocities[d][i].assign(np.zeros((m,) + w.shape, w.dtype))
+                    if engine.velocities[d]:
+                        engine.velocities[d][i].assign(np.zeros((m,) + w.shape, w.dtype))
             for i, (s, f) in enumerate(zip(states, engine._float_state)):
                 if f:
                     engine.center_states[d][i].assign(s)
