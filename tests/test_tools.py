@@ -46,3 +46,21 @@ def test_bench_input_prints_pipeline_and_training_rates():
 def test_bench_throughput_rejects_bad_arguments(args, message):
     proc = run_tool("tools/bench_throughput.py", *args)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_profile_step_reports_op_groups_and_the_memory_floor():
+    proc = run_tool("tools/profile_step.py", "--k", "2", "--iterations", "2", "--top", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    iteration_ms = float(re.search(r"iteration \(median\): ([\d.]+) ms", out).group(1))
+    assert iteration_ms > 0
+    groups = dict(re.findall(r"^\| (convolutions|matmuls|update \(XLA\)|other) \| ([\d.]+) \|$", out, re.M))
+    # LeNet runs two convolutions, dense matmuls and the XLA update in every iteration.
+    assert {"convolutions", "matmuls", "update (XLA)"} <= set(groups) and all(float(v) > 0 for v in groups.values())
+    assert re.search(r"learners' weights: 2 x 1,111,946 floats", out), out
+    assert re.search(r"9 passes over them per iteration", out), out
+
+
+def test_profile_step_rejects_bad_arguments():
+    proc = run_tool("tools/profile_step.py", "--learner-momentum", "1.5")
+    assert proc.returncode == 2 and "--learner-momentum" in proc.stderr
