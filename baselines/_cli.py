@@ -38,7 +38,7 @@ def load(path):
         raise ConfigError(f"{path}: {e}") from None
 
 
-TF_SSGD_DEFAULTS = {"lr_scaling": "none", "reference_batch": 256, "input": "per_epoch", "jit_compile": "auto"}
+TF_SSGD_DEFAULTS = {"lr_scaling": "none", "reference_batch": 256, "input": "repeat", "jit_compile": "auto"}
 
 
 def parse_tf_ssgd_options(section):
