@@ -102,3 +102,30 @@ def test_learning_rate_drop_resets_sma_learners_to_center(cpu_devices):
     for learner in engine.learner_weights():
         for a, b in zip(learner, engine.center_weights()):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("algorithm, hyper", [("sma", "momentum_wd"), ("easgd", "plain")])
+def test_update_in_one_launch_per_layer_matches_numpy_reference(algorithm, hyper, cpu_devices, monkeypatch):
+    """The toy MLP's weights are small enough for one update launch; this splits it per layer."""
+    import crossbow_tf.engine.core as core
+    monkeypatch.setattr(core, "MIN_GROUP_BYTES", 0)
+    h = HYPER[hyper]
+    engine, params0, x, y, k, iterations = run_engine(make_algorithm(algorithm, h), cpu_devices[:2], 2, 6, 0.1, [3])
+    assert engine._update_groups == [[0, 1], [2, 3]]
+    z_ref, w_ref = run_reference(algorithm, params0, x, y, k, B, iterations, 0.1, [3], 0.1,
+                                 mu=h["mu"], mu_z=h["mu_z"], wd=h["wd"])
+    for got, want in zip(engine.center_weights(), z_ref):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for got_j, want_j in zip(engine.learner_weights(), w_ref):
+        for got, want in zip(got_j, want_j):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_update_groups_hold_whole_layers_of_at_least_a_megabyte():
+    from crossbow_tf.engine.core import _update_groups
+    from crossbow_tf.models import build_model
+    lenet = build_model("lenet", (28, 28, 1), 10)   # conv 0.8 k and 51 k, dense 1.05 M and 10 k floats
+    # 8 learners: the convolutions (1.7 MB) close a group, the 1024x1024 dense layer another.
+    assert _update_groups(lenet.trainable_variables, 8) == [[0, 1, 2, 3], [4, 5], [6, 7]]
+    # 1 learner: the convolutions (0.2 MB) are joined by the dense layer.
+    assert _update_groups(lenet.trainable_variables, 1) == [[0, 1, 2, 3, 4, 5], [6, 7]]

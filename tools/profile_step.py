@@ -3,8 +3,9 @@
     python tools/profile_step.py                      # LeNet, 8 fused learners of 16, one device
     python tools/profile_step.py --k 8 --learner-momentum 0
 
-Prints, for one device with K fused learners of batch B:
-- the median time of an iteration (the compiled step alone, on fixed random input);
+Prints, for one device with K fused learners of batch B and, side by side, one plain Keras model at
+batch K*B (train_on_batch with SGD and momentum), on the same fixed random input:
+- the median time of an iteration;
 - op times per iteration from tf.profiler, grouped (convolutions, matmuls, the XLA update, other)
   and the largest ops. Op times are summed over the two intra-op threads, so they add up to more
   than the iteration;
@@ -78,6 +79,25 @@ def op_times(logdir):
     return totals
 
 
+def profile(step, iterations):
+    """(median ms per call of STEP, op name -> op ms per call) over ITERATIONS calls after warm-up."""
+    import tensorflow as tf
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        for _ in range(iterations):
+            step()
+        tf.profiler.experimental.stop()
+        ops = op_times(logdir)
+    return statistics.median(times) * 1e3, {name: ms / iterations for name, ms in ops.items()}
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import keras
@@ -100,27 +120,19 @@ def main(argv=None):
     y = tf.random.uniform((n,), 0, classes, tf.int32)
     mask = tf.ones((n,))
 
-    def step():
+    def sma_step():
         return engine.train_step(x, y, mask, 0.01)[0].numpy()
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(args.iterations):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    iteration_ms = statistics.median(times) * 1e3
 
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        for _ in range(args.iterations):
-            step()
-        tf.profiler.experimental.stop()
-        ops = op_times(logdir)
-    per_iteration = {name: ms / args.iterations for name, ms in ops.items()}
-    groups = collections.Counter()
-    for name, ms in per_iteration.items():
-        groups[_group(name)] += ms
+    keras.utils.set_random_seed(0)
+    plain = build_model(args.model, input_shape, classes)
+    plain.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def keras_step():
+        return plain.train_on_batch(x, y)
+
+    profiles = {f"SMA, {args.k} learners of {args.batch_size}": profile(sma_step, args.iterations),
+                f"one Keras model at batch {n}": profile(keras_step, args.iterations)}
 
     weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     stack_bytes = 4 * weights * args.k
@@ -135,25 +147,36 @@ def main(argv=None):
         passes.append(time.perf_counter() - start)
     bandwidth = 2 * stack_bytes / statistics.median(passes)          # one read and one write
     keeps_velocity = args.learner_momentum != 0
-    # forward read, backward read, gradient write; update: w, g (, v) read, w (, v) written; sum: w read
+    # forward read, backward read, gradient write; update: w, g (, v) read, w (, v) written; sum: w read.
+    # A floor: XLA today writes the new velocity and reads it back, one pass more.
     weight_passes = 3 + (5 if keeps_velocity else 3) + 1
     floor_ms = weight_passes * stack_bytes / bandwidth * 1e3
 
-    print(f"# {args.model}, {args.k} fused learners of b={args.batch_size} on one CPU device, learner momentum "
-          f"{args.learner_momentum:g}, {args.iterations} iterations\n")
-    print(f"iteration (median): {iteration_ms:.2f} ms = {n / iteration_ms * 1e3:.0f} images/s\n")
-    print("| op group | op time per iteration (ms, summed over threads) |")
-    print("|---|---|")
-    for name, ms in groups.most_common():
-        print(f"| {name} | {ms:.2f} |")
-    print("\n| largest ops | ms per iteration |")
-    print("|---|---|")
-    for name, ms in sorted(per_iteration.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"| {name[:90]} | {ms:.2f} |")
+    print(f"# {args.model}, {args.k} fused learners of b={args.batch_size} on one CPU device (learner momentum "
+          f"{args.learner_momentum:g}) against one plain Keras model at batch {n} (SGD with momentum), "
+          f"{args.iterations} iterations each\n")
+    names = list(profiles)
+    print("| | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    print("| iteration (median ms) | " + " | ".join(f"{profiles[k][0]:.2f}" for k in names) + " |")
+    print("| images/s | " + " | ".join(f"{n / profiles[k][0] * 1e3:.0f}" for k in names) + " |")
+    groups = {k: collections.Counter() for k in names}
+    for k in names:
+        for name, ms in profiles[k][1].items():
+            groups[k][_group(name)] += ms
+    for group in ("convolutions", "matmuls", "update (XLA)", "other"):
+        print(f"| op time: {group} (ms, summed over threads) | "
+              + " | ".join(f"{groups[k][group]:.2f}" for k in names) + " |")
+    for k in names:
+        print(f"\n| largest ops: {k} | ms per iteration |")
+        print("|---|---|")
+        for name, ms in sorted(profiles[k][1].items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"| {name[:90]} | {ms:.2f} |")
     print(f"\nlearners' weights: {args.k} x {weights:,} floats = {stack_bytes / 1e6:.1f} MB; streaming bandwidth "
           f"measured here: {bandwidth / 1e9:.1f} GB/s (read + write)")
-    print(f"{weight_passes} passes over them per iteration: {weight_passes * stack_bytes / 1e6:.0f} MB, at least "
-          f"{floor_ms:.1f} ms = {floor_ms / iteration_ms:.0%} of the iteration")
+    sma_ms = profiles[names[0]][0]
+    print(f"at least {weight_passes} passes over them per iteration: {weight_passes * stack_bytes / 1e6:.0f} MB, at "
+          f"least {floor_ms:.1f} ms = {floor_ms / sma_ms:.0%} of the SMA iteration")
     return 0
 
 

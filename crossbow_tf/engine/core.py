@@ -10,6 +10,36 @@ from crossbow_tf.engine.fused import make_learners
 _SEED_STRIDE = 1_000_003
 
 
+def _groups_by_layer(variables):
+    """Indices of VARIABLES grouped by the layer that owns them, in order."""
+    groups, last = [], None
+    for i, variable in enumerate(variables):
+        owner = variable.path.rsplit("/", 1)[0]
+        if owner != last:
+            groups.append([])
+            last = owner
+        groups[-1].append(i)
+    return groups
+
+
+# Smaller groups would add launches (tens of microseconds each) without more overlap to gain.
+MIN_GROUP_BYTES = 1 << 20
+
+
+def _update_groups(variables, learners):
+    """Indices of VARIABLES in consecutive groups of whole layers, each (but the last) holding at
+    least MIN_GROUP_BYTES of the LEARNERS' copies."""
+    groups, size = [], 0
+    for layer in _groups_by_layer(variables):
+        if not groups or size >= MIN_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].extend(layer)
+        size += sum(learners * int(np.prod(variables[i].shape)) * np.dtype(variables[i].dtype).itemsize
+                    for i in layer)
+    return groups
+
+
 def _is_float(variable):
     return tf.as_dtype(variable.dtype).is_floating
 
@@ -59,6 +89,11 @@ class Engine:
         # convolutions on CPU. No AutoGraph: the step has no tensor-dependent Python control flow,
         # and converting it took 1.2 of its 1.4 s of tracing.
         self._local_update = tf.function(self._local_update_fn, jit_compile=jit_update, autograph=False)
+        # One XLA launch per group of layers rather than one for all weights: a group's update starts
+        # as soon as its gradients exist and overlaps backpropagation through the layers below
+        # (measured side by side: LeNet, 8 learners, 25.6 -> 24.5 ms per iteration; ResNet-32 the same
+        # within noise, 278 -> 277 ms, with 13 launches instead of 1).
+        self._update_groups = _update_groups(model.trainable_variables, m)
         self._central_update = tf.function(self._central_update_fn, autograph=False)
         self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
         self._reset = tf.function(self._reset_fn, autograph=False)
@@ -155,10 +190,17 @@ class Engine:
     def update_learners(self, d, grads, lr, shares):
         """Applies the learners' rule on device D (inside a tf.function); returns the sums of the
         learners' contributions, one per weight."""
-        new_weights, new_velocities, sums = self._local_update(
-            self.weights[d], self.velocities[d], grads, self.center[d], lr, shares)
-        for variable, value in zip(self.weights[d] + self.velocities[d], new_weights + new_velocities):
-            variable.assign(value)
+        sums = [None] * len(grads)
+        for group in self._update_groups:
+            def pick(values):
+                return [values[i] for i in group]
+            weights, velocities = pick(self.weights[d]), pick(self.velocities[d]) if self.velocities[d] else []
+            new_weights, new_velocities, group_sums = self._local_update(
+                weights, velocities, pick(grads), pick(self.center[d]), lr, pick(shares))
+            for variable, value in zip(weights + velocities, new_weights + new_velocities):
+                variable.assign(value)
+            for i, total in zip(group, group_sums):
+                sums[i] = total
         return sums
 
     def update_center(self, d, totals, lr):
