@@ -68,7 +68,7 @@ class Engine:
         self.center, self.center_velocity, self.center_states = [], [], []
         learner_weights = not self.algorithm.gradient_at_center
         # Without learner momentum the velocities would only be written, never read: not kept.
-        self._keeps_velocity = learner_weights and self.algorithm.keeps_learner_velocity
+        keeps_velocity = learner_weights and self.algorithm.keeps_learner_velocity
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
                 self.center.append([tf.Variable(w, name="z") for w in trainable])
@@ -78,7 +78,7 @@ class Engine:
                     self.weights.append([tf.Variable(np.stack([w] * m), name="w") for w in trainable])
                     self.velocities.append(
                         [tf.Variable(np.zeros((m,) + w.shape, w.dtype), name="v") for w in trainable]
-                        if self._keeps_velocity else [])
+                        if keeps_velocity else [])
                 self.states.append([tf.Variable(self._learner_states(s, is_float, d), name="state")
                                     for s, is_float in zip(states, self._float_state)])
         # The learners' update touches every learner's copy of every weight several times and is
@@ -168,8 +168,8 @@ class Engine:
         return loss, preds
 
     def _local_update_fn(self, weights, velocities, grads, centers, lr, shares):
-        """The learners' rule on every weight of a device (one XLA launch): their new weights and
-        velocities, and the sums of their contributions.
+        """The learners' rule on a group of weights of a device (one XLA launch): their new weights
+        and velocities, and the sums of their contributions.
 
         The new values are returned, not assigned here: assigning inside the XLA computation makes it
         copy every weight stack first (the sum still reads the old weights after the in-place write),

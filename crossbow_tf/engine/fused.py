@@ -231,7 +231,7 @@ class FusedLearners:
         state = self._states[idx]                                # (m, 2)
         spatial = len(x.shape) == 5
         # Each learner's keep-mask is drawn exactly as tf.nn.experimental.stateless_dropout draws it
-        # from that learner's seed; the masks are then applied to all learners in one multiplication.
+        # from that learner's seed; then one select applies all of them.
         masks = []
         for i in range(self._m):
             x_i = x[:, :, :, i, :] if spatial else x[i]
