@@ -121,11 +121,15 @@ def test_update_in_one_launch_per_layer_matches_numpy_reference(algorithm, hyper
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def test_update_groups_hold_whole_layers_of_at_least_a_megabyte():
+def test_update_groups_are_whole_layers_formed_from_the_output_side():
     from crossbow_tf.engine.core import _update_groups
     from crossbow_tf.models import build_model
     lenet = build_model("lenet", (28, 28, 1), 10)   # conv 0.8 k and 51 k, dense 1.05 M and 10 k floats
-    # 8 learners: the convolutions (1.7 MB) close a group, the 1024x1024 dense layer another.
-    assert _update_groups(lenet.trainable_variables, 8) == [[0, 1, 2, 3], [4, 5], [6, 7]]
-    # 1 learner: the convolutions (0.2 MB) are joined by the dense layer.
-    assert _update_groups(lenet.trainable_variables, 1) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    # The dense layers (finished first by backpropagation) form one group, the convolutions another,
+    # so the dense layers' update overlaps the convolutions' backward pass.
+    assert _update_groups(lenet.trainable_variables, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _update_groups(lenet.trainable_variables, 1) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    resnet = build_model("resnet32", (32, 32, 3), 10)
+    groups = _update_groups(resnet.trainable_variables, 8)
+    assert sorted(i for g in groups for i in g) == list(range(len(resnet.trainable_variables)))
+    assert 2 <= len(groups) <= 4 and all(g == list(range(g[0], g[-1] + 1)) for g in groups)

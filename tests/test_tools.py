@@ -67,3 +67,19 @@ def test_profile_step_reports_op_groups_and_the_memory_floor():
 def test_profile_step_rejects_bad_arguments():
     proc = run_tool("tools/profile_step.py", "--learner-momentum", "1.5")
     assert proc.returncode == 2 and "--learner-momentum" in proc.stderr
+
+
+def test_ab_step_times_each_variant_side_by_side():
+    proc = run_tool("tools/ab_step.py", "--k", "2", "--rounds", "1", "--steps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {cells[0]: cells[1:] for cells in
+            ([c.strip() for c in r.strip("|").split("|")] for r in table_rows(proc.stdout))}
+    assert list(rows) == ["default", "no-xla-update", "one-launch", "momentum-0"]
+    # LeNet with 2 learners: the convolutions join the 1024x1024 dense layer in the first group.
+    assert rows["default"][0] == "2" and rows["one-launch"][0] == "1"
+    assert all(float(v) > 0 for cells in rows.values() for v in cells[1:])
+
+
+def test_ab_step_rejects_bad_arguments():
+    proc = run_tool("tools/ab_step.py", "--steps", "0")
+    assert proc.returncode == 2 and "--steps" in proc.stderr

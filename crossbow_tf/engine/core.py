@@ -22,22 +22,28 @@ def _groups_by_layer(variables):
     return groups
 
 
-# Smaller groups would add launches (tens of microseconds each) without more overlap to gain.
+# Groups are at least this large and at most MAX_UPDATE_GROUPS: every group is one more XLA compile at
+# start-up (ResNet-32 with 13 groups of >= 1 MB: 0.8 s more for its first iteration, no faster after).
 MIN_GROUP_BYTES = 1 << 20
+MAX_UPDATE_GROUPS = 4
 
 
 def _update_groups(variables, learners):
-    """Indices of VARIABLES in consecutive groups of whole layers, each (but the last) holding at
-    least MIN_GROUP_BYTES of the LEARNERS' copies."""
-    groups, size = [], 0
-    for layer in _groups_by_layer(variables):
-        if not groups or size >= MIN_GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].extend(layer)
-        size += sum(learners * int(np.prod(variables[i].shape)) * np.dtype(variables[i].dtype).itemsize
-                    for i in layer)
-    return groups
+    """Indices of VARIABLES in groups of whole consecutive layers, formed from the output side (the
+    order in which backpropagation finishes their gradients), each but the first holding at least
+    MIN_GROUP_BYTES and 1/MAX_UPDATE_GROUPS of the LEARNERS' copies."""
+    layers = _groups_by_layer(variables)
+    sizes = [sum(learners * int(np.prod(variables[i].shape)) * np.dtype(variables[i].dtype).itemsize
+                 for i in layer) for layer in layers]
+    threshold = max(MIN_GROUP_BYTES, sum(sizes) / MAX_UPDATE_GROUPS)
+    groups, group, size = [], [], 0
+    for layer, layer_size in zip(reversed(layers), reversed(sizes)):
+        group = layer + group
+        size += layer_size
+        if size >= threshold:
+            groups.insert(0, group)
+            group, size = [], 0
+    return [group] + groups if group else groups
 
 
 def _is_float(variable):
@@ -82,8 +88,8 @@ class Engine:
                 self.states.append([tf.Variable(self._learner_states(s, is_float, d), name="state")
                                     for s, is_float in zip(states, self._float_state)])
         # The learners' update touches every learner's copy of every weight several times and is
-        # memory-bound; compiling it with XLA fuses those passes (measured here: 8.7 ms instead of
-        # 16.5 ms per iteration for 8 LeNet learners). The central update touches one copy: compiling
+        # memory-bound; compiling it with XLA fuses those passes (tools/ab_step.py, LeNet with 8
+        # learners: 24.6 instead of 29.3 ms per iteration). The central update touches one copy: compiling
         # it cost 0.13 s at start-up and saved nothing per iteration (LeNet, 8 learners), so it is not.
         # The rest of the step stays un-jitted unless JIT_COMPILE asks: XLA is slower for the
         # convolutions on CPU. No AutoGraph: the step has no tensor-dependent Python control flow,
@@ -91,8 +97,7 @@ class Engine:
         self._local_update = tf.function(self._local_update_fn, jit_compile=jit_update, autograph=False)
         # One XLA launch per group of layers rather than one for all weights: a group's update starts
         # as soon as its gradients exist and overlaps backpropagation through the layers below
-        # (measured side by side: LeNet, 8 learners, 25.6 -> 24.5 ms per iteration; ResNet-32 the same
-        # within noise, 278 -> 277 ms, with 13 launches instead of 1).
+        # (tools/ab_step.py, LeNet with 8 learners: 24.9 -> 24.3 ms per iteration).
         self._update_groups = _update_groups(model.trainable_variables, m)
         self._central_update = tf.function(self._central_update_fn, autograph=False)
         self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
