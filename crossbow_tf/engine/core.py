@@ -97,7 +97,7 @@ class Engine:
         self._local_update = tf.function(self._local_update_fn, jit_compile=jit_update, autograph=False)
         # One XLA launch per group of layers rather than one for all weights: a group's update starts
         # as soon as its gradients exist and overlaps backpropagation through the layers below
-        # (tools/ab_step.py, LeNet with 8 learners: 24.9 -> 24.3 ms per iteration).
+        # (tools/ab_step.py, LeNet with 8 learners: 25.8 -> 24.6 ms per iteration).
         self._update_groups = _update_groups(model.trainable_variables, m)
         self._central_update = tf.function(self._central_update_fn, autograph=False)
         self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
