@@ -4,7 +4,7 @@ import time
 
 from crossbow_tf.algorithms import ALGORITHMS
 from crossbow_tf.distribute import CrossbowStrategy
-from crossbow_tf.distribute.devices import default_devices, split_cpu
+from crossbow_tf.distribute.devices import default_devices, split_cpu, start_cluster
 
 
 def make_algorithm(cfg):
@@ -15,22 +15,27 @@ def make_algorithm(cfg):
     return cls(**kwargs)
 
 
-def make_devices(cfg):
-    """CFG's device names (splitting the CPU first when asked); call before TensorFlow runs anything."""
+def make_devices(cfg, cluster=None):
+    """CFG's device names (splitting the CPU first when asked); call before TensorFlow runs anything.
+
+    With a multi-worker CLUSTER this starts the worker's server and waits for the other workers."""
     import tensorflow as tf
     if cfg.devices.logical_cpu and not tf.config.list_physical_devices("GPU"):
-        split_cpu(cfg.devices.logical_cpu)
+        split_cpu(cfg.devices.logical_cpu, cluster)
+    else:
+        start_cluster(cluster)
     if not cfg.devices.logical_cpu:
         return default_devices()
     return [d.name for d in tf.config.list_logical_devices(
         "GPU" if tf.config.list_physical_devices("GPU") else "CPU")]
 
 
-def make_strategy(cfg, devices=None, learners_per_device=None):
+def make_strategy(cfg, devices=None, learners_per_device=None, cluster=None):
     """CFG's strategy; LEARNERS_PER_DEVICE replaces cfg's (needed when cfg says "auto")."""
     return CrossbowStrategy(learners_per_device=learners_per_device or cfg.learners_per_device,
                             cross_device_reduction=cfg.devices.cross_device_reduction,
-                            devices=devices if devices is not None else make_devices(cfg))
+                            devices=devices if devices is not None else make_devices(cfg, cluster),
+                            cluster=cluster)
 
 
 def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwargs):
@@ -57,9 +62,20 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
     return tuning
 
 
-def run_experiment(cfg, log=print):
-    """Trains CFG's model with its algorithm; returns RunResults."""
-    devices = make_devices(cfg)   # first: it fixes TensorFlow's device list
+def run_experiment(cfg, log=print, cluster=None):
+    """Trains CFG's model with its algorithm; returns RunResults.
+
+    CLUSTER (crossbow_tf.distribute.cluster.Cluster) trains on several workers, each running this
+    same call: only the chief logs to LOG, the others log to stderr with a worker prefix."""
+    devices = make_devices(cfg, cluster)   # first: it fixes TensorFlow's device list
+    if cluster is not None:
+        log = cluster.log_function(log)
+        with cluster.guard():
+            return _run(cfg, devices, log, cluster)
+    return _run(cfg, devices, log, None)
+
+
+def _run(cfg, devices, log, cluster):
     import keras
 
     from crossbow_tf.config import to_dict
@@ -78,7 +94,12 @@ def run_experiment(cfg, log=print):
     tuning = None
     if cfg.learners_per_device == "auto":
         tuning = tune_learners(cfg, devices, data, loss, algorithm, log=log, **engine_kwargs)
-    strategy = make_strategy(cfg, devices, tuning.chosen if tuning else None)
+        if cluster is not None:
+            # Measured on each worker; every worker must build the same step: the smallest m.
+            own, tuning.chosen = tuning.chosen, cluster.agree_min(tuning.chosen)
+            log(f"learners per device agreed by the {cluster.num_workers} workers: m={tuning.chosen} "
+                f"(the smallest of their choices; this worker chose {own})")
+    strategy = make_strategy(cfg, devices, tuning.chosen if tuning else None, cluster)
     # Seeded after tuning, which draws random numbers: the run is the one a fixed m would give.
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
@@ -89,10 +110,12 @@ def run_experiment(cfg, log=print):
     schedule = StepSchedule.from_epochs(lr.base, lr.drops_at_epochs, lr.drop_factor, lr.warmup_epochs, per_epoch)
     log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
         f"{engine.algorithm.name} with k={strategy.num_learners} learners "
-        f"({strategy.num_devices} device(s) x {strategy.learners_per_device}), batch {cfg.batch_size} per learner, "
+        f"({_placement(strategy)}), batch {cfg.batch_size} per learner, "
         f"{per_epoch} iterations per epoch, cross-device reduction: {strategy.reduction_name}")
     results = RunResults(engine.algorithm.name, to_dict(cfg), devices=strategy.devices,
                          num_learners=strategy.num_learners)
+    if cluster is not None:
+        results.extra["workers"] = cluster.num_workers
     if tuning is not None:
         results.extra["autotune"] = tuning.to_dict()
     start = time.perf_counter()
@@ -103,3 +126,8 @@ def run_experiment(cfg, log=print):
     if cfg.target_accuracy is not None:
         log(results.target_summary(cfg.target_accuracy))
     return results
+
+
+def _placement(strategy):
+    local = f"{strategy.num_devices} device(s) x {strategy.learners_per_device}"
+    return local if strategy.num_workers == 1 else f"{strategy.num_workers} workers x {local}"

@@ -1,7 +1,8 @@
 """python -m crossbow_tf.run [--config FILE] [--data-dir DIR] ...: train one experiment.
 
 Without arguments it trains Crossbow's LeNet with SMA on the embedded MNIST subset
-(configs/lenet_mnist_embedded.yaml).
+(configs/lenet_mnist_embedded.yaml). With TF_CONFIG set, every worker of the cluster runs the same
+command and they train together (docs/multiworker.md); only the chief writes results.
 """
 import argparse
 import os
@@ -32,6 +33,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, help="override the seed")
     p.add_argument("--results", help="write the run's results (JSON) to this new file")
     p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
+    p.add_argument("--worker-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="with TF_CONFIG: how long any wait for another worker may take before every "
+                        "worker stops with an error naming the missing one (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -54,11 +58,14 @@ def build_config(args):
 
 def run(args, log=print):
     cfg = build_config(args)
-    if args.results and os.path.exists(args.results) and not args.force:
+    from crossbow_tf.distribute import cluster as cluster_lib
+    cluster = cluster_lib.from_environment(args.worker_timeout)
+    writes = cluster is None or cluster.is_chief   # only the chief writes files
+    if writes and args.results and os.path.exists(args.results) and not args.force:
         raise CrossbowError(f"{args.results}: results file exists; choose a new name or pass --force")
     from crossbow_tf.experiment import run_experiment
-    results = run_experiment(cfg, log=log)
-    if args.results:
+    results = run_experiment(cfg, log=log, cluster=cluster)
+    if writes and args.results:
         results.save(args.results)
         log(f"results written to {args.results}")
     return results
@@ -71,7 +78,7 @@ def main(argv=None):
         run(args)
     except CrossbowError as e:
         print(f"crossbow_tf: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print("crossbow_tf: interrupted", file=sys.stderr)
         return 130

@@ -1,5 +1,6 @@
 """CrossbowStrategy: the devices, the learners on each, and how devices reduce."""
-from crossbow_tf.distribute.devices import default_devices, split_cpu
+from crossbow_tf.distribute import cluster as cluster_lib
+from crossbow_tf.distribute.devices import default_devices, split_cpu, start_cluster
 from crossbow_tf.distribute.reduce import cross_device_ops_for
 from crossbow_tf.errors import ConfigError
 
@@ -9,19 +10,39 @@ class CrossbowStrategy:
 
     Args:
       devices: device names; default every GPU, else the CPU.
-      learners_per_device: m, the learners on each device (k = len(devices) * m in all).
+      learners_per_device: m, the learners on each device (k = workers * len(devices) * m in all).
       logical_cpu_devices: split the CPU into this many logical devices and use them all
         (for machines without accelerators; ignored when DEVICES is given).
       cross_device_reduction: "auto" (NCCL between distinct GPUs, else reduce-to-one-device),
         "nccl", "one_device" or "hierarchical_copy".
+      cluster_resolver: a tf.distribute.cluster_resolver.ClusterResolver (TFConfig, Slurm,
+        Kubernetes, ...) for training on several workers: every worker creates the same strategy;
+        DEVICES and the learners are then this worker's, and k counts the learners of all workers.
+        Create the strategy before TensorFlow runs anything (it starts this worker's server and
+        waits for the others).
+      worker_timeout: seconds any wait for another worker may take before every worker stops with
+        an error naming the missing one (default 60).
+      cluster: an already constructed ``crossbow_tf.distribute.cluster.Cluster`` instead of
+        CLUSTER_RESOLVER.
     """
 
     def __init__(self, devices=None, learners_per_device=1, logical_cpu_devices=None,
-                 cross_device_reduction="auto"):
+                 cross_device_reduction="auto", cluster_resolver=None,
+                 worker_timeout=cluster_lib.DEFAULT_TIMEOUT, cluster=None):
         if not isinstance(learners_per_device, int) or learners_per_device < 1:
             raise ConfigError(f"learners_per_device must be a positive integer, got {learners_per_device!r}")
+        if cluster is None and cluster_resolver is not None:
+            cluster = cluster_lib.from_resolver(cluster_resolver, worker_timeout)
+        self.cluster = cluster
         if devices is None:
-            devices = split_cpu(logical_cpu_devices) if logical_cpu_devices else default_devices()
+            if logical_cpu_devices:
+                devices = split_cpu(logical_cpu_devices, cluster)
+            else:
+                start_cluster(cluster)
+                devices = default_devices()
+        elif cluster is not None and not cluster.started:
+            raise ConfigError("with an explicit device list, start the cluster first "
+                              "(crossbow_tf.distribute.devices.start_cluster)")
         devices = list(devices)
         if not devices:
             raise ConfigError("no devices given")
@@ -34,13 +55,37 @@ class CrossbowStrategy:
         return len(self.devices)
 
     @property
-    def num_learners(self):
+    def num_workers(self):
+        return 1 if self.cluster is None else self.cluster.num_workers
+
+    @property
+    def worker_index(self):
+        return 0 if self.cluster is None else self.cluster.worker_index
+
+    @property
+    def is_chief(self):
+        return self.worker_index == 0
+
+    @property
+    def local_learners(self):
+        """The learners of this worker: devices x learners per device."""
         return self.num_devices * self.learners_per_device
 
+    @property
+    def num_learners(self):
+        """k: the learners of every worker (each worker has the same devices and m)."""
+        return self.num_workers * self.local_learners
+
+    @property
+    def first_learner(self):
+        """The global index of this worker's first learner: worker w holds learners w*D*m ... (w+1)*D*m - 1."""
+        return self.worker_index * self.local_learners
+
     def learner_device(self, learner):
-        """Learner j = d*m + i lives on device d."""
+        """Learner j = d*m + i of this worker lives on device d."""
         return self.devices[learner // self.learners_per_device]
 
     def __repr__(self):
+        workers = "" if self.cluster is None else f", worker={self.worker_index} of {self.num_workers}"
         return (f"CrossbowStrategy(devices={self.devices}, learners_per_device={self.learners_per_device}, "
-                f"reduction={self.reduction_name!r})")
+                f"reduction={self.reduction_name!r}{workers})")

@@ -2,6 +2,7 @@
 import numpy as np
 import tensorflow as tf
 
+from crossbow_tf.distribute.cross_worker import CrossWorkerReduction
 from crossbow_tf.distribute.reduce import all_reduce_sum
 from crossbow_tf.engine.fused import make_learners
 
@@ -50,6 +51,23 @@ def _is_float(variable):
     return tf.as_dtype(variable.dtype).is_floating
 
 
+def _chief_start(strategy, trainable, states):
+    """The chief's initial weights and state on every worker, after checking that every worker
+    builds the same step (the same devices x learners and weights)."""
+    cluster = strategy.cluster
+    layout = np.array([strategy.num_devices, strategy.learners_per_device, len(trainable), len(states),
+                       sum(w.size for w in trainable)], np.int64)
+    chief_layout = cluster.broadcast_from_chief([layout])[0]
+    if not np.array_equal(layout, chief_layout):
+        from crossbow_tf.distribute.cluster import ClusterError
+        raise ClusterError(f"{cluster.describe(cluster.worker_index)} has {strategy.num_devices} device(s) x "
+                           f"{strategy.learners_per_device} learners and {len(trainable)} weights; the chief has "
+                           f"{chief_layout[0]} x {chief_layout[1]} and {chief_layout[2]}: every worker must "
+                           "build the same model on the same number of devices")
+    arrays = cluster.broadcast_from_chief(trainable + states)
+    return arrays[:len(trainable)], arrays[len(trainable):]
+
+
 class Engine:
     """Trains the learners of MODEL with ALGORITHM, placed by STRATEGY.
 
@@ -69,6 +87,11 @@ class Engine:
         m = strategy.learners_per_device
         trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
         states = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
+        # Across workers: one all-reduce per iteration, and every worker starts from the chief's z.
+        self._cross_worker = None
+        if strategy.cluster is not None:
+            trainable, states = _chief_start(strategy, trainable, states)
+            self._cross_worker = CrossWorkerReduction(strategy.cluster, strategy.devices[0])
         self._float_state = [_is_float(v) for v in model.non_trainable_variables]
         self.weights, self.velocities, self.states = [], [], []
         self.center, self.center_velocity, self.center_states = [], [], []
@@ -109,7 +132,7 @@ class Engine:
         if not is_float:
             # Integer state is random-generator state: give every learner its own stream.
             for i in range(m):
-                j = device_index * m + i
+                j = self.strategy.first_learner + device_index * m + i
                 stack[i].flat[0] = stack[i].flat[0] + _SEED_STRIDE * (j + 1)
         return stack
 
@@ -121,18 +144,29 @@ class Engine:
         """One iteration on a global batch of k*b examples cut into k consecutive slices of b.
 
         MASK marks real (1.0) and padding (0.0) examples. Returns (mean loss over real examples,
-        predictions of every learner on its slice, in example order).
+        predictions of every learner of this worker on its slice, in example order). On several
+        workers every worker is given the same global batch and trains its learners' slices
+        (``local_rows``).
         """
         return self._step(x, y, tf.cast(mask, tf.float32), tf.constant(lr, tf.float32))
+
+    def local_rows(self, global_batch):
+        """(start, stop): the rows of a global batch that this worker's learners train on."""
+        b = global_batch // self.num_learners
+        start = self.strategy.first_learner * b
+        return start, start + self.strategy.local_learners * b
 
     def _step_fn(self, x, y, mask, lr):
         strategy, alg = self.strategy, self.algorithm
         D, m = strategy.num_devices, strategy.learners_per_device
+        total_count = tf.reduce_sum(mask)
+        if strategy.num_workers > 1:
+            start, stop = self.local_rows(x.shape[0])
+            x, y, mask = x[start:stop], y[start:stop], mask[start:stop]
         b = x.shape[0] // (D * m)
         x = tf.reshape(x, [D, m, b] + x.shape[1:].as_list())
         y = tf.reshape(y, [D, m, b] + y.shape[1:].as_list())
         mask = tf.reshape(mask, [D, m, b])
-        total_count = tf.reduce_sum(mask)
         local = []
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
@@ -155,6 +189,12 @@ class Engine:
                 local.append(dict(states=new_states, sums=sums + state_sums,
                                   loss_sum=loss_sum, preds=preds))
         reduced = all_reduce_sum(strategy.cross_device_ops, [l["sums"] for l in local])
+        # A stacked sum, not add_n: AddN's order (and so the reported loss's last bit) varies by run.
+        loss_sum = tf.reduce_sum(tf.stack([l["loss_sum"] for l in local]))
+        if self._cross_worker is not None:
+            # The worker's sums from its first device, with the loss sum: one all-reduce per iteration.
+            *totals, loss_sum = self._cross_worker(reduced[0] + [loss_sum])
+            reduced = [totals] * D
         n_weights = len(self.center[0])
         k = float(self.num_learners)
         for d, device in enumerate(strategy.devices):
@@ -167,8 +207,7 @@ class Engine:
                     if self._float_state[i]:
                         # z's BatchNorm statistics are the mean of all learners' statistics.
                         self.center_states[d][i].assign(next(float_states) / k)
-        # A stacked sum, not add_n: AddN's order (and so the reported loss's last bit) varies by run.
-        loss = tf.reduce_sum(tf.stack([l["loss_sum"] for l in local])) / tf.maximum(total_count, 1.0)
+        loss = loss_sum / tf.maximum(total_count, 1.0)
         preds = tf.concat([tf.reshape(l["preds"], [m * b] + l["preds"].shape[2:].as_list()) for l in local], 0)
         return loss, preds
 

@@ -44,6 +44,9 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
     global_batch = k * batch_size
     per_epoch = iterations_per_epoch(data.train.size, global_batch)
     evaluator = Evaluator(engine.model, engine.learners.per_example_loss)
+    if engine.strategy.cluster is not None:
+        # Once per epoch on the chief; the other workers receive its figures (same z on every worker).
+        evaluator = engine.strategy.cluster.on_chief(evaluator, num_values=2)
     iteration, examples, train_time = 0, 0, 0.0
     step_times = []
     for epoch in range(1, epochs + 1):

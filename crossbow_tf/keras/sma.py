@@ -6,6 +6,7 @@ the synchronisation. The model object itself keeps being the user's (same class,
 holds the central model z after every step, so Keras's evaluate, predict, save, validation and
 callbacks all see z without knowing about learners.
 """
+import contextlib
 import math
 import os
 import warnings
@@ -217,10 +218,16 @@ class CrossbowTraining:
 
         if self._packers is not None:
             predictions = self._packers[2].unpack(predictions)
+        # The loss is the iteration's (all workers'); the predictions are this worker's rows.
+        model._loss_tracker.update_state(loss, sample_weight=tf.cast(n, tf.float32))
+        if self.strategy.num_workers > 1:
+            start, stop = self.engine.local_rows(global_batch)
+            y = tree.map_structure(lambda t: t[start:stop], y_pad)
+            n = tf.clip_by_value(n - start, 0, stop - start)
         # Padding rows come last; compiled `metrics` ignore sample weights, so they are cut off.
         predictions = tree.map_structure(lambda t: t[:n], predictions)
+        y = tree.map_structure(lambda t: t[:n], y)
         real = tf.cast(n, tf.float32)
-        model._loss_tracker.update_state(loss, sample_weight=real)
         output_metrics = self.loss.output_metrics
         if output_metrics:
             for metric, values in zip(output_metrics, self.loss.per_output(y, predictions)):
@@ -272,12 +279,16 @@ class CrossbowTraining:
         callbacks = list(callbacks or [])
         self._backup_paths = {os.path.abspath(cb._weights_path) for cb in callbacks
                               if isinstance(cb, keras.callbacks.BackupAndRestore)}
+        cluster = self.strategy.cluster
+        if cluster is not None:
+            callbacks, verbose = _callbacks_of_worker(cluster, callbacks, verbose)
         callbacks.append(_Synchronise(self))
         try:
-            return type(self.model).fit(
-                self.model, x=x, y=y, batch_size=keras_batch_size, epochs=epochs, verbose=verbose,
-                callbacks=callbacks, validation_split=validation_split, validation_data=validation_data,
-                shuffle=shuffle, **kwargs)
+            with cluster.guard() if cluster is not None else contextlib.nullcontext():
+                return type(self.model).fit(
+                    self.model, x=x, y=y, batch_size=keras_batch_size, epochs=epochs, verbose=verbose,
+                    callbacks=callbacks, validation_split=validation_split, validation_data=validation_data,
+                    shuffle=shuffle, **kwargs)
         finally:
             self._backup_paths = set()
 
@@ -287,8 +298,10 @@ class CrossbowTraining:
         n = len(tree.flatten(x)[0])
         self._use_global_batch(self.num_learners * math.ceil(n / self.num_learners))
         self.adopt_model_weights()
-        return type(self.model).train_on_batch(self.model, x, y, sample_weight=sample_weight,
-                                               class_weight=class_weight, return_dict=return_dict)
+        cluster = self.strategy.cluster
+        with cluster.guard() if cluster is not None else contextlib.nullcontext():
+            return type(self.model).train_on_batch(self.model, x, y, sample_weight=sample_weight,
+                                                   class_weight=class_weight, return_dict=return_dict)
 
     def make_train_function(self, force=False):
         # The engine has its own jit switch; XLA around its cross-device step is not supported.
@@ -318,6 +331,13 @@ class CrossbowTraining:
         engine, model = self.engine, self.model
         current = [v.numpy() for v in model.trainable_variables]
         states = [v.numpy() for v in model.non_trainable_variables]
+        if self.strategy.cluster is not None:
+            # Every worker adopts the chief's weights (only the chief may have loaded a file).
+            with self.strategy.cluster.guard():
+                arrays = self.strategy.cluster.broadcast_from_chief(current + states)
+            current, states = arrays[:len(current)], arrays[len(current):]
+            for v, a in zip(model.trainable_variables + model.non_trainable_variables, arrays):
+                v.assign(a)
         center = engine.center_weights()
         center_states = [s.numpy() for s in engine.center_states[0]]
         same = all(np.array_equal(a, b) for a, b in zip(current, center)) and all(
@@ -385,6 +405,23 @@ class CrossbowTraining:
         if os.path.abspath(str(filepath)) in self._backup_paths and os.path.exists(state):
             self.load_state(state)
         return result
+
+
+# Callbacks that only write (files, the progress bar): on workers other than the chief they would
+# collide with the chief's files or repeat its output. Every other callback runs on every worker,
+# since it may change training (a learning-rate schedule, early stopping on the same z's metrics).
+_WRITING_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
+                      keras.callbacks.ProgbarLogger)
+
+
+def _callbacks_of_worker(cluster, callbacks, verbose):
+    """The callbacks and verbosity of fit on this worker: the chief runs them all."""
+    if any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in callbacks):
+        raise ValueError("BackupAndRestore is not supported on several workers yet: restart the cluster "
+                         "from a ModelCheckpoint the chief wrote instead")
+    if cluster.is_chief:
+        return callbacks, verbose
+    return [cb for cb in callbacks if not isinstance(cb, _WRITING_CALLBACKS)], 0
 
 
 def _optimizer_signature(optimizer):

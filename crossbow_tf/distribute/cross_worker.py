@@ -1,0 +1,42 @@
+"""The cross-worker step of the hierarchical reduction: learners -> device -> worker -> cluster.
+
+After the cross-device reduction every device of a worker holds that worker's sums. This level packs
+them, with the loss sum, into one vector per dtype (one for float32 models) and all-reduces it over
+the workers with TensorFlow's collective ops: per iteration exactly one cross-worker all-reduce.
+The result is the same bits on every worker (a ring all-reduce computes each chunk's sum once and
+passes it on), so every worker applies the same Delta to its own copy of z.
+"""
+import numpy as np
+import tensorflow as tf
+
+
+class CrossWorkerReduction:
+    """One cross-worker all-reduce site of CLUSTER, on DEVICE (the worker's first device).
+
+    It has its own instance key and ordering token: collectives of one device must be ordered
+    (tf.distribute's CollectiveReplicaLauncher does the same), and a key reused by a differently
+    shaped reduction would fail.
+    """
+
+    def __init__(self, cluster, device):
+        self.cluster = cluster
+        self.device = device
+        self.instance_key = cluster.next_instance_key()
+        with tf.device(device):
+            self._ordering_token = tf.Variable(0.0, trainable=False, name="cross_worker_ordering_token")
+
+    def __call__(self, tensors):
+        """TENSORS (a list on this worker) summed over the workers, inside the compiled step."""
+        # One vector in the widest dtype among them (casting up is exact): one collective, always.
+        wide = max((t.dtype for t in tensors), key=lambda dtype: dtype.size)
+        sizes = [int(np.prod(t.shape)) for t in tensors]
+        with tf.device(self.device):
+            flat = tf.concat([tf.reshape(tf.cast(t, wide), [-1]) for t in tensors], 0)
+            total = self.cluster.all_reduce(flat, self.instance_key, self.device,
+                                            ordering_token=self._ordering_token.handle)
+            return [tf.cast(tf.reshape(part, t.shape), t.dtype)
+                    for t, part in zip(tensors, tf.split(total, sizes))]
+
+def bytes_per_all_reduce(tensors):
+    """Bytes one worker contributes to the packed cross-worker all-reduce of TENSORS (shapes and dtypes)."""
+    return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in tensors)
