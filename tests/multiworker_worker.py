@@ -1,13 +1,16 @@
 """One process of the multi-worker tests: trains a few SMA iterations of LeNet on the embedded MNIST
-digits and saves z. Run with TF_CONFIG for a worker of a cluster, without it for one process.
+digits through the engine and then through Keras's fit, and saves z before and after each.
+Run with TF_CONFIG for a worker of a cluster, without it for one process.
 
-    python tests/multiworker_worker.py engine|keras OUT.npz --devices D --learners M
-        [--iterations N] [--timeout S] [--sleep-per-iteration S]
+    python tests/multiworker_worker.py engine|keras|both OUT --devices D --learners M
+        [--iterations N] [--timeout S]
+
+writes OUT.engine.npz, OUT.engine.initial.npz (and the same for keras).
 """
 import argparse
+import contextlib
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -16,13 +19,12 @@ BATCH = 8   # per learner
 
 def parse():
     p = argparse.ArgumentParser()
-    p.add_argument("path", choices=("engine", "keras"))
+    p.add_argument("path", choices=("engine", "keras", "both"))
     p.add_argument("out")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--learners", type=int, required=True)
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--timeout", type=float, default=15.0)
-    p.add_argument("--sleep-per-iteration", type=float, default=0.0)
     return p.parse_args()
 
 
@@ -33,53 +35,60 @@ def main():
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver() if os.environ.get("TF_CONFIG") else None
     strategy = CrossbowStrategy(learners_per_device=args.learners, logical_cpu_devices=args.devices,
                                 cluster_resolver=resolver, worker_timeout=args.timeout)
-    import keras
-    import numpy as np
     from crossbow_tf.data import load_dataset
-    from crossbow_tf.models import build_model
-    from crossbow_tf.data.pipeline import train_batches
     data = load_dataset("mnist_embedded")
-    k = strategy.num_learners
-    # The example order must be the same on every worker (tf.data's shuffle also reads the global seed)...
-    keras.utils.set_random_seed(7)
-    batches = iter(train_batches(data.train, k * BATCH, epoch=1, seed=3, map_fn=data.train_map))
-    # ... while the initial weights may differ: every worker starts from the chief's.
-    keras.utils.set_random_seed(7 + 1000 * strategy.worker_index)
-    model = build_model("lenet", data.input_shape, data.num_classes)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if args.path == "engine":
-        from crossbow_tf.algorithms import SMA
-        from crossbow_tf.engine.core import Engine
-        engine = Engine(model, loss, SMA(), strategy)
-        losses = []
-        with (strategy.cluster.guard() if strategy.cluster else _nothing()):
-            for i in range(args.iterations):
-                x, y, mask = next(batches)
-                value, _ = engine.train_step(x, y, mask, 0.05)
-                losses.append(float(value))
-                print(f"iteration {i + 1} loss {losses[-1]:.6f}", flush=True)
-                time.sleep(args.sleep_per_iteration)
-        center = engine.center_weights()
-        states = [s.numpy() for s in engine.center_states[0]]
-    else:
-        import crossbow_tf
-        x, y = _first_examples(data.train, args.iterations * k * BATCH, data.train_map)
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=loss, metrics=["accuracy"])
-        crossbow_tf.use_sma(model, strategy)
-        history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        losses = history.history["loss"]
-        center = [v.numpy() for v in model.trainable_variables]
-        states = [v.numpy() for v in model.non_trainable_variables]
-    np.savez(args.out, *center, *states, losses=np.array(losses))
+    for path in ("engine", "keras") if args.path == "both" else (args.path,):
+        (train_engine if path == "engine" else train_keras)(strategy, data, args, f"{args.out}.{path}")
     print("done", flush=True)
 
 
-class _nothing:
-    def __enter__(self):
-        return self
+def fresh_model(strategy, data):
+    import keras
+    from crossbow_tf.models import build_model
+    # Each worker draws other initial weights: every worker must start from the chief's.
+    keras.utils.set_random_seed(7 + 1000 * strategy.worker_index)
+    return build_model("lenet", data.input_shape, data.num_classes)
 
-    def __exit__(self, *exc):
-        return False
+
+def save(path, center, states, losses=()):
+    import numpy as np
+    np.savez(path, *center, *states, losses=np.array(losses))
+
+
+def train_engine(strategy, data, args, out):
+    import keras
+    from crossbow_tf.algorithms import SMA
+    from crossbow_tf.data.pipeline import train_batches
+    from crossbow_tf.engine.core import Engine
+    # The example order must be the same on every worker (tf.data's shuffle also reads the global seed).
+    keras.utils.set_random_seed(7)
+    batches = iter(train_batches(data.train, strategy.num_learners * BATCH, epoch=1, seed=3,
+                                 map_fn=data.train_map))
+    model = fresh_model(strategy, data)
+    engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SMA(), strategy)
+    save(out + ".initial.npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]])
+    losses = []
+    with strategy.cluster.guard() if strategy.cluster else contextlib.nullcontext():
+        for _ in range(args.iterations):
+            x, y, mask = next(batches)
+            loss, _ = engine.train_step(x, y, mask, 0.05)
+            losses.append(float(loss))
+    save(out + ".npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]], losses)
+
+
+def train_keras(strategy, data, args, out):
+    import keras
+    import crossbow_tf
+    x, y = _first_examples(data.train, args.iterations * strategy.num_learners * BATCH, data.train_map)
+    model = fresh_model(strategy, data)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    crossbow_tf.use_sma(model, strategy)
+    training = crossbow_tf.keras.sma.get_training(model)
+    save(out + ".initial.npz", training.center_weights(), [s.numpy() for s in training.engine.center_states[0]])
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    save(out + ".npz", [v.numpy() for v in model.trainable_variables],
+         [v.numpy() for v in model.non_trainable_variables], history.history["loss"])
 
 
 def _first_examples(split, n, map_fn):

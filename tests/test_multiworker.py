@@ -1,0 +1,184 @@
+"""Several workers on 127.0.0.1, each a process with its own TensorFlow server (TF_CONFIG).
+
+The workers are separate processes started here; each splits its CPU into logical devices. Their
+runs are compared with one process holding all the learners, and the cluster's failures (a worker
+that dies, hangs or never starts) must stop the others with one clear error within the timeout.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "multiworker_worker.py")
+TIMEOUT = 12   # the worker timeout of these tests (default 60 s)
+# Process start-up on this 2-core machine (TensorFlow's import, data, model, first trace) can take
+# 20 s when other work shares the cores; waits are bounded by this plus the timeout.
+START_UP = 40
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def tf_config(ports, index):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def start(args, tf_config_text=None, cwd=None):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    if tf_config_text is not None:
+        env["TF_CONFIG"] = tf_config_text
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd)
+
+
+def finish(proc, timeout):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"process did not finish within {timeout} s; stderr: {err[-2000:]}")
+    return proc.returncode, out, err
+
+
+def load(path):
+    with np.load(path) as f:
+        return [f[name] for name in f.files if name != "losses"], f["losses"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """2 workers x 2 logical devices x 2 learners, and one process with 4 devices x 2 learners, each
+    through the engine (5 iterations) and then through Keras's fit (5 steps)."""
+    out = tmp_path_factory.mktemp("multiworker")
+    ports = free_ports(2)
+    common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5"]
+    procs = [start([WORKER_SCRIPT, "both", str(out / f"worker{i}"), "--devices", "2", *common],
+                   tf_config(ports, i)) for i in range(2)]
+    procs.append(start([WORKER_SCRIPT, "both", str(out / "single"), "--devices", "4", *common]))
+    for proc in procs:
+        code, _, err = finish(proc, timeout=240)
+        assert code == 0, err[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("path", ["engine", "keras"])
+def test_two_workers_equal_one_process_with_the_same_learners(trained, path):
+    worker0, losses0 = load(trained / f"worker0.{path}.npz")
+    worker1, losses1 = load(trained / f"worker1.{path}.npz")
+    single, single_losses = load(trained / f"single.{path}.npz")
+    assert len(worker0) == len(single) == 9   # LeNet's 8 weights and its Dropout seed state
+    for a, b in zip(worker0, worker1):
+        assert np.array_equal(a, b)            # z is the same bits on both workers
+    for a, c in zip(worker0, single):
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+    # z moved in those iterations (SMA's first correction is zero, later ones are not).
+    initial, _ = load(trained / f"single.{path}.initial.npz")
+    assert max(float(np.max(np.abs(a - c))) for a, c in zip(single, initial)) > 1e-4
+    np.testing.assert_allclose(losses0, single_losses, rtol=1e-5)
+    np.testing.assert_array_equal(losses0, losses1)
+
+
+def run_args(*extra):
+    return ["-m", "crossbow_tf.run", "--worker-timeout", str(TIMEOUT), *extra]
+
+
+def test_command_line_on_two_workers_only_the_chief_writes(tmp_path):
+    ports = free_ports(2)
+    dirs = [tmp_path / "w0", tmp_path / "w1"]
+    procs = []
+    for i, d in enumerate(dirs):
+        d.mkdir()
+        procs.append(start(run_args("--epochs", "1", "--results", "run.json"), tf_config(ports, i), cwd=d))
+    (code0, out0, err0), (code1, out1, err1) = [finish(p, timeout=240) for p in procs]
+    assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
+    # learners_per_device: auto is measured on each worker, then the smallest m is used by both.
+    agreed = [line for line in out0.splitlines() if line.startswith("learners per device agreed")]
+    assert len(agreed) == 1
+    results = json.loads((dirs[0] / "run.json").read_text())
+    assert not (dirs[1] / "run.json").exists()
+    m = results["autotune"]["chosen"]
+    assert f"m={m}" in agreed[0]
+    assert results["num_learners"] == 2 * 2 * m and results["workers"] == 2
+    assert f"k={4 * m} learners (2 workers x 2 device(s) x {m})" in out0
+    # The other worker prints nothing on stdout; its lines go to stderr with its prefix.
+    assert out1 == ""
+    assert f"[worker 1] learners per device agreed by the 2 workers: m={m}" in err1
+    epoch_lines = [line for line in err1.splitlines() if line.startswith("[worker 1] epoch   1/1")]
+    assert len(epoch_lines) == 1
+    # Evaluated once, on the chief: the other worker reports the chief's figures.
+    accuracy = f"test accuracy {results['evaluations'][0]['accuracy']:.4f}"
+    assert accuracy in epoch_lines[0] and accuracy in out0
+
+
+def wait_for_line(proc, stream_name, text, timeout):
+    """Reads PROC's stream until a line containing TEXT; returns the lines read."""
+    stream = getattr(proc, stream_name)
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    pytest.fail(f"no line with {text!r} within {timeout} s: {''.join(lines)[-2000:]}")
+
+
+@pytest.mark.parametrize("failure", ["dies", "hangs"])
+def test_a_lost_worker_stops_the_other_with_one_clear_error(failure):
+    ports = free_ports(2)
+    args = run_args("--epochs", "50", "--learners-per-device", "2")
+    chief = start(args, tf_config(ports, 0))
+    worker = start(args, tf_config(ports, 1))
+    try:
+        wait_for_line(chief, "stdout", "epoch   1/50", timeout=START_UP + 120)
+        lost_at = time.monotonic()
+        if failure == "dies":
+            worker.send_signal(signal.SIGTERM)   # TensorFlow's collectives do not block a termination
+            worker.wait(timeout=10)
+        else:
+            worker.send_signal(signal.SIGSTOP)
+        code, _, err = finish(chief, timeout=TIMEOUT + 30)
+        elapsed = time.monotonic() - lost_at
+    finally:
+        worker.kill()
+        worker.communicate()
+    errors = [line for line in err.splitlines() if line.startswith("crossbow_tf: error:")]
+    assert code == 3, err[-2000:]
+    assert len(errors) == 1, err[-2000:]
+    reason = "does not answer (not running)" if failure == "dies" else "does not respond"
+    assert f"lost worker 1 (worker:1 at 127.0.0.1:{ports[1]}) {reason}" in errors[0]
+    assert "Traceback" not in err
+    # Detected by the all-reduce's timeout (plus the step that was running and the probe).
+    assert elapsed < TIMEOUT + 15
+
+
+def test_a_worker_that_never_starts_stops_the_other(tmp_path):
+    ports = free_ports(2)
+    begin = time.monotonic()
+    chief = start(run_args("--epochs", "1", "--learners-per-device", "2", "--results", "run.json"),
+                  tf_config(ports, 0), cwd=tmp_path)
+    code, out, err = finish(chief, timeout=START_UP + TIMEOUT + 30)
+    elapsed = time.monotonic() - begin
+    assert code == 3
+    assert f"crossbow_tf: error: worker 1 (worker:1 at 127.0.0.1:{ports[1]}) did not start within {TIMEOUT} s" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run.json").exists()
+    assert elapsed < START_UP + TIMEOUT
