@@ -7,13 +7,14 @@ that dies, hangs or never starts) must stop the others with one clear error with
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+
+from crossbow_tf.distribute.cluster import local_tf_configs
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "multiworker_worker.py")
 TIMEOUT = 12   # the worker timeout of these tests (default 60 s)
@@ -22,19 +23,10 @@ TIMEOUT = 12   # the worker timeout of these tests (default 60 s)
 START_UP = 40
 
 
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def tf_config(ports, index):
-    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                       "task": {"type": "worker", "index": index}})
+def cluster_configs(n):
+    """TF_CONFIG texts of N workers on 127.0.0.1, and their ports."""
+    configs = local_tf_configs(n)
+    return configs, [int(json.loads(c)["cluster"]["worker"][i].rsplit(":", 1)[1]) for i, c in enumerate(configs)]
 
 
 def start(args, tf_config_text=None, cwd=None):
@@ -66,10 +58,10 @@ def trained(tmp_path_factory):
     """2 workers x 2 logical devices x 2 learners, and one process with 4 devices x 2 learners, each
     through the engine (5 iterations) and then through Keras's fit (5 steps)."""
     out = tmp_path_factory.mktemp("multiworker")
-    ports = free_ports(2)
+    configs, _ = cluster_configs(2)
     common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5"]
     procs = [start([WORKER_SCRIPT, "both", str(out / f"worker{i}"), "--devices", "2", *common],
-                   tf_config(ports, i)) for i in range(2)]
+                   configs[i]) for i in range(2)]
     procs.append(start([WORKER_SCRIPT, "both", str(out / "single"), "--devices", "4", *common]))
     for proc in procs:
         code, _, err = finish(proc, timeout=240)
@@ -99,12 +91,12 @@ def run_args(*extra):
 
 
 def test_command_line_on_two_workers_only_the_chief_writes(tmp_path):
-    ports = free_ports(2)
+    configs, _ = cluster_configs(2)
     dirs = [tmp_path / "w0", tmp_path / "w1"]
     procs = []
     for i, d in enumerate(dirs):
         d.mkdir()
-        procs.append(start(run_args("--epochs", "1", "--results", "run.json"), tf_config(ports, i), cwd=d))
+        procs.append(start(run_args("--epochs", "1", "--results", "run.json"), configs[i], cwd=d))
     (code0, out0, err0), (code1, out1, err1) = [finish(p, timeout=240) for p in procs]
     assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
     # learners_per_device: auto is measured on each worker, then the smallest m is used by both.
@@ -143,10 +135,10 @@ def wait_for_line(proc, stream_name, text, timeout):
 
 @pytest.mark.parametrize("failure", ["dies", "hangs"])
 def test_a_lost_worker_stops_the_other_with_one_clear_error(failure):
-    ports = free_ports(2)
+    configs, ports = cluster_configs(2)
     args = run_args("--epochs", "50", "--learners-per-device", "2")
-    chief = start(args, tf_config(ports, 0))
-    worker = start(args, tf_config(ports, 1))
+    chief = start(args, configs[0])
+    worker = start(args, configs[1])
     try:
         wait_for_line(chief, "stdout", "epoch   1/50", timeout=START_UP + 120)
         lost_at = time.monotonic()
@@ -171,10 +163,10 @@ def test_a_lost_worker_stops_the_other_with_one_clear_error(failure):
 
 
 def test_a_worker_that_never_starts_stops_the_other(tmp_path):
-    ports = free_ports(2)
+    configs, ports = cluster_configs(2)
     begin = time.monotonic()
     chief = start(run_args("--epochs", "1", "--learners-per-device", "2", "--results", "run.json"),
-                  tf_config(ports, 0), cwd=tmp_path)
+                  configs[0], cwd=tmp_path)
     code, out, err = finish(chief, timeout=START_UP + TIMEOUT + 30)
     elapsed = time.monotonic() - begin
     assert code == 3

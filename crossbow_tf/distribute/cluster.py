@@ -252,3 +252,20 @@ def from_environment(timeout=DEFAULT_TIMEOUT):
         raise CrossbowError(f"TF_CONFIG is not valid JSON: {e}") from None
     from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
     return from_resolver(TFConfigClusterResolver(), timeout)
+
+
+def local_tf_configs(num_workers, host="127.0.0.1"):
+    """TF_CONFIG texts of NUM_WORKERS workers on HOST (free ports), one per worker: for trying a
+    cluster on one machine. (A port could be taken between this call and the servers' start.)"""
+    import json
+    import socket
+    sockets = [socket.socket() for _ in range(num_workers)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        addresses = [f"{host}:{s.getsockname()[1]}" for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+    return [json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": i}})
+            for i in range(num_workers)]

@@ -36,7 +36,3 @@ class CrossWorkerReduction:
                                             ordering_token=self._ordering_token.handle)
             return [tf.cast(tf.reshape(part, t.shape), t.dtype)
                     for t, part in zip(tensors, tf.split(total, sizes))]
-
-def bytes_per_all_reduce(tensors):
-    """Bytes one worker contributes to the packed cross-worker all-reduce of TENSORS (shapes and dtypes)."""
-    return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in tensors)
