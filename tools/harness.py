@@ -62,6 +62,7 @@ def run_summary(results, target):
         num_learners=k,
         devices=len(results.get("devices") or []) or None,
         epoch_start_wait=sum(w for w in waits if w) if any(w is not None for w in waits) else None,
+        collapsed=bool(results.get("collapsed")),
     )
 
 
@@ -473,7 +474,7 @@ def prepare_out_dir(path, force=False, resume=False):
             shutil.rmtree(path)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, MARKER), "w") as f:
-        f.write("made by tools/compare.py or tools/sweep.py\n")
+        f.write("made by tools/compare.py, tools/sweep.py or tools/reproduce.py\n")
 
 
 def machine_info():
