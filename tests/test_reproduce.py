@@ -146,3 +146,31 @@ def test_reproduce_end_to_end_on_tiny_data(tmp_path):
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("done before") == 6 and "ETA" not in again.stdout   # 4 runs, the bench, bn
+
+
+def test_data_dir_reaches_every_run_of_every_tool(tmp_path):
+    import harness
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(dict(EXPERIMENT, compare=dict(
+        budget=1, seeds=[0], methods={"sma": {"grid": {"learning_rate.base": [0.05]}},
+                                      "tf_ssgd": {"grid": {"learning_rate.base": [0.05]}}}),
+        sweep=sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+                    sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))))
+    experiment, sections = harness.load_harness_config(str(config), "/data/fm")
+    spec = harness.parse_compare(sections["compare"], experiment)
+    for _, trials in harness.plan_compare(spec, experiment, sections):
+        for _, _, configs in trials:
+            assert all(exp["data"]["data_dir"] == "/data/fm" for exp, _ in configs.values())
+    study_spec = study.parse_study(sections["sweep"], experiment)
+    for cell in study.plan_study(study_spec, experiment, sections):
+        assert all(exp["data"]["data_dir"] == "/data/fm" for _, _, c in cell.trials for exp, _ in c.values())
+    # tools/sweep.py hands a study-form sweep: section to tools/reproduce.py.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sweep.py"), "--config", str(config),
+                           "--out", str(tmp_path / "s"), "--data-dir", "/data/fm", "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sma G=64 k=4 t01: alpha=0.1" in proc.stdout and "training runs (at most), budget 2" in proc.stdout
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sweep.py"), "--config", str(config),
+                          "--learners", "4", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "apply to the one-grid sweep form" in bad.stderr
+    assert not (tmp_path / "s").exists()

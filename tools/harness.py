@@ -268,9 +268,15 @@ def parse_sweep(section, experiment, where="sweep"):
         timeout=_positive(section.get("timeout", 900), f"{where}.timeout"))
 
 
-def load_harness_config(path):
-    """(experiment mapping, tool sections) of the YAML at PATH; the experiment part is validated."""
+def load_harness_config(path, data_dir=None):
+    """(experiment mapping, tool sections) of the YAML at PATH; the experiment part is validated.
+
+    DATA_DIR, when given, replaces data.data_dir, so that every run of a tool reads it (--data-dir).
+    """
     experiment, sections = split_sections(read_yaml(path))
+    if data_dir is not None:
+        data = experiment.get("data")
+        experiment["data"] = dict(data if isinstance(data, dict) else {}, data_dir=data_dir)
     try:
         config_lib.from_dict(experiment)
     except ConfigError as e:

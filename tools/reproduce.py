@@ -48,13 +48,13 @@ def parse_args(argv):
 
 
 def build(args):
-    experiment, sections = harness.load_harness_config(args.config)
+    experiment, sections = harness.load_harness_config(args.config, args.data_dir)
     section = sections["sweep"]
     if not study.is_study(section):
         raise ConfigError(f"{args.config}: the sweep: section has no series: mapping (see tools/study.py)")
     try:
         spec = study.parse_study(section, experiment)
-        cells = study.plan_study(spec, experiment, sections, data_dir=args.data_dir)
+        cells = study.plan_study(spec, experiment, sections)
     except ConfigError as e:
         raise ConfigError(f"{args.config}: {e}") from None
     if args.bench_rounds < 1 or args.bench_examples < 1 or args.bn_epochs < 1:
@@ -104,7 +104,7 @@ def run_bench(out, experiment, jobs, rounds, examples, say, resume):
     return results
 
 
-def bn_run_config(experiment, sections, spec, epochs, data_dir):
+def bn_run_config(experiment, sections, spec, epochs):
     """The BatchNorm experiment: LeNet with BatchNorm, SMA with b=16 at the middle global batch."""
     g = sorted(spec.global_batches)[len(spec.global_batches) // 2]
     b = 16
@@ -114,8 +114,6 @@ def bn_run_config(experiment, sections, spec, epochs, data_dir):
          "learning_rate.base": 0.05, "collapse_epochs": 0},
         seed=0, target=spec.target, epochs=epochs, where="bn run")
     exp["stop_at_target"] = False
-    if data_dir is not None:
-        exp["data"]["data_dir"] = data_dir
     return g, exp, opts
 
 
@@ -151,7 +149,7 @@ def main(argv=None):
                           args.resume) if "bench" in args.phases else None
         bn = None
         if "bn" in args.phases:
-            g, exp, opts = bn_run_config(experiment, sections, spec, args.bn_epochs, args.data_dir)
+            g, exp, opts = bn_run_config(experiment, sections, spec, args.bn_epochs)
             bn = runner.run("sma", exp, opts, "bn", f"lenet_bn_G{g}_s0", f"lenet_bn G={g} averaged vs recomputed",
                             0, spec.target, spec.timeout)
     except KeyboardInterrupt:

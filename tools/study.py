@@ -177,7 +177,7 @@ def _trial_points(series, g, budget, where):
     return fixed, harness.choose_trials(points, budget, seed=zlib.crc32(f"{series.name}/{g}".encode()))
 
 
-def plan_study(spec, experiment, sections, data_dir=None):
+def plan_study(spec, experiment, sections):
     """[Cell] in run order (points in the order given, series in the order written); every run's
     configuration is built and validated here, before anything runs."""
     cells = []
@@ -207,8 +207,6 @@ def plan_study(spec, experiment, sections, data_dir=None):
                     exp, opts = harness.run_config(experiment, sections, series.method,
                                                    dict(fixed, **resolved, **shape), seed=seed,
                                                    target=spec.target, epochs=spec.epochs, where=where)
-                    if data_dir is not None:
-                        exp["data"]["data_dir"] = data_dir
                     configs[seed] = (exp, opts)
                 trials.append((f"t{i:02d}", resolved, configs))
             cells.append(Cell(series, g, k, trials))
@@ -232,8 +230,9 @@ def searched_budgets(cells):
 
 
 def run_study(spec, cells, runner):
-    """Point by point, in the order given: every series' search trials on the search seeds, then
-    each series' best trial on every seed; so a study stopped part-way has whole points.
+    """The search trials of every cell on the search seeds, point by point in the order given; then
+    each cell's best trial on every seed. A study stopped part-way so has searched the first points
+    (one seed each) before any replication.
 
     Returns {(series name, G): outcome dict}. Trials are ranked by fewest median epochs to target,
     then time (harness.best_trial(by="epochs")): the study's question is statistical efficiency.
@@ -246,23 +245,21 @@ def run_study(spec, cells, runner):
         return runner.run(cell.series.method, exp, opts, subdir, f"{label}_s{seed}",
                           f"{label} {harness.describe(point)}{note}", seed, spec.target, spec.timeout)
 
-    for g in spec.global_batches:
-        point_cells = [c for c in cells if c.global_batch == g]
-        for cell in point_cells:
-            runs = {}
-            seeds = sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
-            for label, point, _ in cell.trials:
-                for seed in seeds:
-                    runs[(label, seed)] = do(cell, label, point, seed)
-            outcome[(cell.series.name, g)] = dict(cell=cell, runs=runs)
-        for cell in point_cells:
-            o = outcome[(cell.series.name, g)]
-            runs = o["runs"]
-            search = [[runs[(label, s)].summary for s in spec.search_seeds] for label, _, _ in cell.trials]
-            best = 0 if cell.series.untuned else harness.best_trial(search, by="epochs")
-            label, point, _ = cell.trials[best]
-            for seed in spec.seeds:
-                if (label, seed) not in runs:
-                    runs[(label, seed)] = do(cell, label, point, seed, " (best)")
-            o.update(best=label, best_point=point, final=[runs[(label, s)] for s in spec.seeds])
+    for cell in cells:
+        runs = {}
+        seeds = sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
+        for label, point, _ in cell.trials:
+            for seed in seeds:
+                runs[(label, seed)] = do(cell, label, point, seed)
+        outcome[(cell.series.name, cell.global_batch)] = dict(cell=cell, runs=runs)
+    for cell in cells:
+        o = outcome[(cell.series.name, cell.global_batch)]
+        runs = o["runs"]
+        search = [[runs[(label, s)].summary for s in spec.search_seeds] for label, _, _ in cell.trials]
+        best = 0 if cell.series.untuned else harness.best_trial(search, by="epochs")
+        label, point, _ = cell.trials[best]
+        for seed in spec.seeds:
+            if (label, seed) not in runs:
+                runs[(label, seed)] = do(cell, label, point, seed, " (best)")
+        o.update(best=label, best_point=point, final=[runs[(label, s)] for s in spec.seeds])
     return outcome
