@@ -174,3 +174,47 @@ def test_a_worker_that_never_starts_stops_the_other(tmp_path):
     assert "Traceback" not in err
     assert not (tmp_path / "run.json").exists()
     assert elapsed < START_UP + TIMEOUT
+
+
+# ------------------------------------------------------------------ the cluster spec, without servers
+def test_cluster_from_tf_config(monkeypatch):
+    from crossbow_tf.distribute import cluster as cluster_lib
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert cluster_lib.from_environment() is None
+    configs = local_tf_configs(3)
+    monkeypatch.setenv("TF_CONFIG", configs[2])
+    cluster = cluster_lib.from_environment(timeout=5)
+    assert (cluster.num_workers, cluster.worker_index, cluster.is_chief, cluster.timeout) == (3, 2, False, 5.0)
+    assert cluster.task_name(1) == "/job:worker/replica:0/task:1"
+    address = json.loads(configs[0])["cluster"]["worker"][0]
+    assert cluster.describe(0) == f"worker 0 (worker:0 at {address})"
+    # A chief task comes first: it is worker 0, the "worker" tasks follow.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["h0:1"], "worker": ["h1:1", "h2:1"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    cluster = cluster_lib.from_environment()
+    assert (cluster.num_workers, cluster.worker_index, cluster.describe(0)) == (3, 1, "worker 0 (chief:0 at h0:1)")
+    # One worker is no cluster: nothing to reduce across.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["h0:1"]}, "task": {"type": "worker", "index": 0}}))
+    assert cluster_lib.from_environment() is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "TF_CONFIG is not valid JSON"),
+    (json.dumps({"cluster": {"worker": ["h0:1", "h1:1"]}, "task": {"type": "worker", "index": 2}}),
+     "task worker:2 is not a chief or worker task"),
+    (json.dumps({"cluster": {"worker": ["h0:1", "h1:1"]}}), "names no task for this process"),
+])
+def test_bad_tf_config_is_one_clear_line(monkeypatch, text, message):
+    from crossbow_tf.distribute import cluster as cluster_lib
+    from crossbow_tf.errors import CrossbowError
+    monkeypatch.setenv("TF_CONFIG", text)
+    with pytest.raises(CrossbowError, match=message):
+        cluster_lib.from_environment()
+
+
+def test_worker_timeout_must_be_positive(monkeypatch):
+    from crossbow_tf.distribute import cluster as cluster_lib
+    from crossbow_tf.errors import CrossbowError
+    monkeypatch.setenv("TF_CONFIG", local_tf_configs(2)[0])
+    with pytest.raises(CrossbowError, match="worker timeout must be a positive number of seconds, got 0"):
+        cluster_lib.from_environment(timeout=0)
