@@ -175,6 +175,7 @@ class CrossbowTraining:
         self._prepared = False
         self._packers = None
         self._backup_paths = set()
+        self._adopted_from_chief = False
         self._algorithm_args = _optimizer_signature(model.optimizer)
 
     @property
@@ -297,7 +298,9 @@ class CrossbowTraining:
         self._check_optimizer_unchanged()
         n = len(tree.flatten(x)[0])
         self._use_global_batch(self.num_learners * math.ceil(n / self.num_learners))
-        self.adopt_model_weights()
+        # Across workers, the chief's weights are broadcast at the first call only: a broadcast per
+        # call would be a second collective per iteration.
+        self.adopt_model_weights(from_chief=not self._adopted_from_chief)
         cluster = self.strategy.cluster
         with cluster.guard() if cluster is not None else contextlib.nullcontext():
             return type(self.model).train_on_batch(self.model, x, y, sample_weight=sample_weight,
@@ -326,12 +329,15 @@ class CrossbowTraining:
                              "call crossbow_tf.keras.use_sma(model, strategy) again")
 
     # ----------------------------------------------------------------------- z, learners and the model
-    def adopt_model_weights(self):
-        """Starts the learners from the model's weights if they are no longer z (set_weights, loading)."""
+    def adopt_model_weights(self, from_chief=True):
+        """Starts the learners from the model's weights if they are no longer z (set_weights, loading).
+
+        On several workers (and FROM_CHIEF) every worker first takes the chief's model weights."""
         engine, model = self.engine, self.model
         current = [v.numpy() for v in model.trainable_variables]
         states = [v.numpy() for v in model.non_trainable_variables]
-        if self.strategy.cluster is not None:
+        if self.strategy.cluster is not None and from_chief:
+            self._adopted_from_chief = True
             # Every worker adopts the chief's weights (only the chief may have loaded a file).
             with self.strategy.cluster.guard():
                 arrays = self.strategy.cluster.broadcast_from_chief(current + states)
