@@ -50,9 +50,19 @@ def fresh_model(strategy, data):
     return build_model("lenet", data.input_shape, data.num_classes)
 
 
-def save(path, center, states, losses=()):
+def save(path, center, states, losses=(), collectives=-1):
     import numpy as np
-    np.savez(path, *center, *states, losses=np.array(losses))
+    np.savez(path, *center, *states, losses=np.array(losses), collectives=np.array(collectives))
+
+
+def _collectives_per_step(engine, x, y, mask):
+    """The collective all-reduce ops in the engine's compiled step, nested functions included."""
+    import tensorflow as tf
+    graph = engine._step.get_concrete_function(x, y, tf.cast(mask, tf.float32), tf.constant(0.05)).graph
+    count = sum(op.type == "CollectiveReduceV2" for op in graph.get_operations())
+    for function in graph._functions.values():
+        count += sum(node.op == "CollectiveReduceV2" for node in function.cached_definition.node_def)
+    return count
 
 
 def train_engine(strategy, data, args, out):
@@ -73,7 +83,8 @@ def train_engine(strategy, data, args, out):
             x, y, mask = next(batches)
             loss, _ = engine.train_step(x, y, mask, 0.05)
             losses.append(float(loss))
-    save(out + ".npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]], losses)
+    save(out + ".npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]], losses,
+         collectives=_collectives_per_step(engine, x, y, mask))
 
 
 def train_keras(strategy, data, args, out):

@@ -50,7 +50,13 @@ def finish(proc, timeout):
 
 def load(path):
     with np.load(path) as f:
-        return [f[name] for name in f.files if name != "losses"], f["losses"]
+        return [f[name] for name in f.files if name not in ("losses", "collectives")], f["losses"]
+
+
+def test_one_cross_worker_all_reduce_per_iteration(trained):
+    for name in ("worker0", "worker1", "single"):
+        with np.load(trained / f"{name}.engine.npz") as f:
+            assert int(f["collectives"]) == (0 if name == "single" else 1)
 
 
 @pytest.fixture(scope="module")
