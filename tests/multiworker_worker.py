@@ -55,10 +55,11 @@ def save(path, center, states, losses=(), collectives=-1):
     np.savez(path, *center, *states, losses=np.array(losses), collectives=np.array(collectives))
 
 
-def _collectives_per_step(engine, x, y, mask):
+def _collectives_per_step(engine, x, y, mask, *count):
     """The collective all-reduce ops in the engine's compiled step, nested functions included."""
     import tensorflow as tf
-    graph = engine._step.get_concrete_function(x, y, tf.cast(mask, tf.float32), tf.constant(0.05)).graph
+    count = [tf.cast(c, tf.float32) for c in count] or [None]
+    graph = engine._step.get_concrete_function(x, y, tf.cast(mask, tf.float32), tf.constant(0.05), *count).graph
     count = sum(op.type == "CollectiveReduceV2" for op in graph.get_operations())
     for function in graph._functions.values():
         count += sum(node.op == "CollectiveReduceV2" for node in function.cached_definition.node_def)
@@ -71,20 +72,23 @@ def train_engine(strategy, data, args, out):
     from crossbow_tf.data.pipeline import train_batches
     from crossbow_tf.engine.core import Engine
     # The example order must be the same on every worker (tf.data's shuffle also reads the global seed).
+    # Like the trainer, a worker reads only its own learners' rows of every iteration.
     keras.utils.set_random_seed(7)
+    start = strategy.first_learner * BATCH
+    rows = (start, start + strategy.local_learners * BATCH) if strategy.num_workers > 1 else None
     batches = iter(train_batches(data.train, strategy.num_learners * BATCH, epoch=1, seed=3,
-                                 map_fn=data.train_map))
+                                 map_fn=data.train_map, rows=rows))
     model = fresh_model(strategy, data)
     engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SMA(), strategy)
     save(out + ".initial.npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]])
     losses = []
     with strategy.cluster.guard() if strategy.cluster else contextlib.nullcontext():
         for _ in range(args.iterations):
-            x, y, mask = next(batches)
-            loss, _ = engine.train_step(x, y, mask, 0.05)
+            x, y, mask, *count = next(batches)
+            loss, _ = engine.train_step(x, y, mask, 0.05, *count)
             losses.append(float(loss))
     save(out + ".npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]], losses,
-         collectives=_collectives_per_step(engine, x, y, mask))
+         collectives=_collectives_per_step(engine, x, y, mask, *count))
 
 
 def train_keras(strategy, data, args, out):

@@ -62,7 +62,8 @@ def test_one_cross_worker_all_reduce_per_iteration(trained):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """2 workers x 2 logical devices x 2 learners, and one process with 4 devices x 2 learners, each
-    through the engine (5 iterations) and then through Keras's fit (5 steps)."""
+    through the engine as the trainer feeds it (each worker reads only its own rows of every
+    iteration; 5 iterations) and then through Keras's fit (every worker reads whole iterations; 5 steps)."""
     out = tmp_path_factory.mktemp("multiworker")
     configs, _ = cluster_configs(2)
     common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5"]

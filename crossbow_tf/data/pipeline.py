@@ -46,11 +46,15 @@ def input_options(threads=None):
 
 
 def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
-                  shuffle_buffer=None, deterministic=True, threads=None):
+                  shuffle_buffer=None, deterministic=True, threads=None, rows=None):
     """The iterations of one training epoch as (x, y, mask) with a leading dimension of k*b.
 
     The epoch's order is a shuffle seeded by (SEED, EPOCH): the same seed gives the same order.
     THREADS (default: half the cores) decode and augment in parallel on a private thread pool.
+    ROWS = (start, stop) keeps only those rows of every iteration (one worker's learners' slices,
+    see ``Engine.local_rows``), decoded and augmented alone, and yields (x, y, mask, count) with
+    COUNT the iteration's real examples over all rows: the rows hold the same values as the same
+    rows of the whole iteration.
     """
     threads = threads or default_input_threads()
     ds = split.dataset
@@ -62,6 +66,8 @@ def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
     elif shuffle:
         buffer = shuffle_buffer or split.size
         ds = ds.shuffle(buffer, seed=epoch_seed, reshuffle_each_iteration=False)
+    if rows is not None:
+        return _rows_of_batches(ds, global_batch, rows, map_fn, threads, deterministic, epoch_seed)
     if map_fn is not None:
         if getattr(map_fn, "needs_seed", False):
             # Random augmentation draws from stateless ops seeded by (epoch seed, position in the
@@ -73,6 +79,38 @@ def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
         else:
             ds = ds.map(map_fn, num_parallel_calls=threads, deterministic=deterministic)
     ds = ds.batch(global_batch).map(_pad_to(global_batch), num_parallel_calls=threads)
+    return ds.prefetch(2).with_options(input_options(threads))
+
+
+def _rows_of_batches(ds, global_batch, rows, map_fn, threads, deterministic, epoch_seed):
+    """ROWS of every iteration of DS (stored examples in the epoch's order): cut and padded before
+    MAP_FN runs, so that a worker decodes and augments only its own rows."""
+    start, stop = rows
+    seeded = map_fn is not None and getattr(map_fn, "needs_seed", False)
+    if seeded:   # positions in the epoch seed the augmentation, as in the whole-iteration pipeline
+        ds = tf.data.Dataset.zip((ds, tf.data.Dataset.counter()))
+
+    def pick(*batch):
+        n = tf.shape(tf.nest.flatten(batch)[0])[0]
+        positions = tf.range(start, stop)
+        index = positions % n   # padding repeats the iteration's own examples, as _pad_to does
+        picked = tf.nest.map_structure(lambda t: tf.gather(t, index), batch)
+        mask = tf.cast(positions < n, tf.float32)
+        return picked, mask, tf.fill([stop - start], tf.cast(n, tf.float32))
+
+    def apply(picked, mask, count):
+        if seeded:
+            (x, y), i = picked
+            x, y = map_fn(x, y, tf.stack([tf.constant(epoch_seed, tf.int64), i]))
+        elif map_fn is not None:
+            x, y = map_fn(*picked)
+        else:
+            x, y = picked
+        return x, y, mask, count
+
+    ds = ds.batch(global_batch).map(pick).unbatch()
+    ds = ds.map(apply, num_parallel_calls=threads, deterministic=deterministic).batch(stop - start, drop_remainder=True)
+    ds = ds.map(lambda x, y, mask, count: (x, y, mask, count[0]))
     return ds.prefetch(2).with_options(input_options(threads))
 
 

@@ -6,11 +6,14 @@ worker starts TensorFlow's gRPC server in-process (``context.enable_collective_o
 ``MultiWorkerMirroredStrategy`` does) and talks to the others only through TensorFlow's collective
 ops. Unlike that strategy we configure no coordination service: its start-up blocks until every
 peer has connected, with no bound we control (a worker whose peer never starts hangs there).
-Instead every wait is bounded by ``timeout`` seconds: the start-up check polls each peer with
-TensorFlow's own peer-health probe, and every collective carries the same timeout. When a wait
-fails, the peers are probed again so that the error names the worker that is missing.
+Instead every wait is bounded: the start-up check polls each peer with TensorFlow's own
+peer-health probe for at most ``timeout`` seconds; the training step's all-reduce carries the
+same timeout; the agreements that follow uneven local work (auto-tuning, the chief's evaluation)
+wait as long as every peer answers that probe. When a wait fails, the peers are probed again so
+that the error names the worker that is missing.
 """
 import contextlib
+import re
 import sys
 import time
 
@@ -143,19 +146,61 @@ class Cluster:
     def group_key(self, device):
         return GROUP_KEYS[_device_type(device)]
 
-    def all_reduce(self, tensor, instance_key, device, ordering_token=None, merge_op="Add"):
-        """TENSOR (on DEVICE) reduced over the workers; call inside a tf.function or eagerly."""
+    def all_reduce(self, tensor, instance_key, device, ordering_token=None, merge_op="Add", timeout=None):
+        """TENSOR (on DEVICE) reduced over the workers; call inside a tf.function or eagerly.
+        TIMEOUT: seconds (default the worker timeout; 0 waits without bound)."""
         from tensorflow.python.ops import collective_ops
         return collective_ops.all_reduce_v2(
             tensor, group_size=self.num_workers, group_key=self.group_key(device), instance_key=instance_key,
-            merge_op=merge_op, final_op="Id", timeout=self.timeout, ordering_token=ordering_token)
+            merge_op=merge_op, final_op="Id", timeout=self.timeout if timeout is None else timeout,
+            ordering_token=ordering_token)
 
     def _eager_reduce(self, array, merge_op):
+        """ARRAY reduced over the workers, waiting as long as every peer is alive.
+
+        These reductions follow uneven local work (each worker's auto-tuning, the chief's
+        evaluation) that can outlast the worker timeout. So the collective waits without a bound
+        in a thread while this one probes the peers every few seconds: a peer that stops
+        answering (dead, or hung for the probe's 2 s) aborts the wait and is named."""
+        import threading
+
         import tensorflow as tf
+        from tensorflow.python.eager import context
         device = "/device:CPU:0"
         key = self.next_instance_key()
-        with self.guard(), tf.device(device):
-            return self.all_reduce(tf.constant(array), key, device, merge_op=merge_op).numpy()
+        outcome = {}
+
+        def reduce():
+            try:
+                with tf.device(device):
+                    outcome["value"] = self.all_reduce(tf.constant(array), key, device, merge_op=merge_op,
+                                                       timeout=0).numpy()
+            except Exception as e:   # handed to the waiting thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=reduce, daemon=True)
+        thread.start()
+        thread.join(_PROBE_MS / 1000)
+        while thread.is_alive():
+            lost = self._lost_workers()
+            if lost:
+                context.context().abort_collective_ops(tf.errors.UNAVAILABLE, "; ".join(lost))
+                raise ClusterError(f"lost {'; '.join(lost)}; {self.describe(self.worker_index)} stops")
+            thread.join(_PROBE_MS / 1000)
+        if "error" in outcome:
+            with self.guard():
+                raise outcome["error"]
+        return outcome["value"]
+
+    def _lost_workers(self):
+        """Descriptions of the other workers that do not answer the peer-health probe, with why."""
+        lost = []
+        for w in range(self.num_workers):
+            if w != self.worker_index:
+                reason = self._probe(w)
+                if reason is not None:
+                    lost.append(f"{self.describe(w)} {reason}")
+        return lost
 
     def agree_min(self, value):
         """The minimum of VALUE (an integer) over all workers."""
@@ -183,8 +228,8 @@ class Cluster:
         return out
 
     def on_chief(self, function, num_values):
-        """FUNCTION run on the chief only, its result (NUM_VALUES floats) given to every worker. The
-        others wait in the broadcast, so the worker timeout must cover FUNCTION's time on the chief."""
+        """FUNCTION run on the chief only, its result (NUM_VALUES floats) given to every worker (who
+        wait for it as long as the chief is alive)."""
         def run_on_chief(*args, **kwargs):
             values = np.zeros(num_values, np.float64)
             if self.is_chief:
@@ -206,14 +251,11 @@ class Cluster:
 
     def diagnose(self, error):
         """A ClusterError for ERROR (a TensorFlow error from a collective) naming the missing workers."""
-        missing = []
-        for w in range(self.num_workers):
-            if w != self.worker_index:
-                reason = self._probe(w)
-                if reason is not None:
-                    missing.append(f"{self.describe(w)} {reason}")
+        missing = self._lost_workers()
         first_line = next((line.strip() for line in str(error).splitlines()
                            if "timed out" in line or "abort" in line.lower()), type(error).__name__)
+        # TensorFlow's node and op names around the reason say nothing to the user.
+        first_line = re.sub(r"\s*\[Op:.*$", "", re.sub(r"\{\{.*?\}\}\s*", "", first_line))
         if missing:
             return ClusterError(f"lost {'; '.join(missing)}; {self.describe(self.worker_index)} stops "
                                 f"(cross-worker all-reduce: {first_line})")

@@ -140,15 +140,18 @@ class Engine:
     def num_learners(self):
         return self.strategy.num_learners
 
-    def train_step(self, x, y, mask, lr):
+    def train_step(self, x, y, mask, lr, total_count=None):
         """One iteration on a global batch of k*b examples cut into k consecutive slices of b.
 
         MASK marks real (1.0) and padding (0.0) examples. Returns (mean loss over real examples,
         predictions of every learner of this worker on its slice, in example order). On several
         workers every worker is given the same global batch and trains its learners' slices
-        (``local_rows``).
+        (``local_rows``), or, with TOTAL_COUNT (the iteration's real examples on all workers),
+        only those rows.
         """
-        return self._step(x, y, tf.cast(mask, tf.float32), tf.constant(lr, tf.float32))
+        if total_count is not None:
+            total_count = tf.cast(total_count, tf.float32)
+        return self._step(x, y, tf.cast(mask, tf.float32), tf.constant(lr, tf.float32), total_count)
 
     def local_rows(self, global_batch):
         """(start, stop): the rows of a global batch that this worker's learners train on."""
@@ -156,13 +159,14 @@ class Engine:
         start = self.strategy.first_learner * b
         return start, start + self.strategy.local_learners * b
 
-    def _step_fn(self, x, y, mask, lr):
+    def _step_fn(self, x, y, mask, lr, total_count=None):
         strategy, alg = self.strategy, self.algorithm
         D, m = strategy.num_devices, strategy.learners_per_device
-        total_count = tf.reduce_sum(mask)
-        if strategy.num_workers > 1:
-            start, stop = self.local_rows(x.shape[0])
-            x, y, mask = x[start:stop], y[start:stop], mask[start:stop]
+        if total_count is None:   # the whole iteration: this worker trains its own rows of it
+            total_count = tf.reduce_sum(mask)
+            if strategy.num_workers > 1:
+                start, stop = self.local_rows(x.shape[0])
+                x, y, mask = x[start:stop], y[start:stop], mask[start:stop]
         b = x.shape[0] // (D * m)
         x = tf.reshape(x, [D, m, b] + x.shape[1:].as_list())
         y = tf.reshape(y, [D, m, b] + y.shape[1:].as_list())

@@ -69,20 +69,22 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
     if engine.strategy.cluster is not None:
         # Once per epoch on the chief; the other workers receive its figures (same z on every worker).
         evaluator = engine.strategy.cluster.on_chief(evaluator, num_values=2)
+    # On several workers each decodes only its own learners' rows of every iteration.
+    rows = engine.local_rows(global_batch) if engine.strategy.num_workers > 1 else None
     iteration, examples, train_time = 0, 0, 0.0
     step_times = []
     chance_run = 0
     for epoch in range(1, epochs + 1):
         batches = train_batches(data.train, global_batch, epoch, seed=seed, shuffle=shuffle,
-                                map_fn=data.train_map)
+                                map_fn=data.train_map, rows=rows)
         epoch_start = time.perf_counter()
         loss_sum, seen = 0.0, 0
-        for x, y, mask in batches:
+        for x, y, mask, *count in batches:   # COUNT: the iteration's real examples, with ROWS
             step_start = time.perf_counter()
             if engine.algorithm.reset_on_lr_drop and is_drop(schedule, iteration):
                 engine.reset_learners()
-            loss, _ = engine.train_step(x, y, mask, schedule(iteration))
-            n = int(mask.numpy().sum())
+            loss, _ = engine.train_step(x, y, mask, schedule(iteration), *count)
+            n = int(count[0] if count else mask.numpy().sum())
             loss_sum += float(loss) * n
             seen += n
             step_times.append(time.perf_counter() - step_start)
