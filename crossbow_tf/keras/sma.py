@@ -74,8 +74,42 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
     return ElasticAveragingSGD(alpha=alpha, momentum=momentum, weight_decay=weight_decay)
 
 
+# Keras schedules whose rate is constant between boundaries: a fall there is a real step drop.
+def _steps_of(schedule):
+    """A description of SCHEDULE's step boundaries when its rate moves in steps, else None."""
+    schedules = keras.optimizers.schedules
+    if isinstance(schedule, schedules.PiecewiseConstantDecay):
+        return f"at its boundaries {list(schedule.boundaries)} where the rate falls"
+    if isinstance(schedule, (schedules.ExponentialDecay, schedules.InverseTimeDecay)) and schedule.staircase:
+        return f"every {schedule.decay_steps} iterations (staircase)"
+    return None
+
+
+def reset_rule(algorithm, optimizer, setting="auto"):
+    """(whether learners restart from z when the rate falls, one line saying when) for ALGORITHM
+    trained with OPTIMIZER's learning rate under SETTING ("auto", True or False, see use_sma)."""
+    if not algorithm.reset_on_lr_drop:
+        return False, f"learner reset: none ({algorithm.name} has no learner reset)"
+    if setting is False:
+        return False, "learner reset: never (reset_on_lr_drop=False)"
+    rate = optimizer._learning_rate
+    is_schedule = isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+    name = type(rate).__name__
+    if setting is True:
+        return True, ("learner reset: every learner restarts from z whenever the learning rate falls "
+                      f"(reset_on_lr_drop=True{f'; {name} may fall every iteration' if is_schedule else ''})")
+    if not is_schedule:
+        return True, ("learner reset: every learner restarts from z when the learning rate falls "
+                      "(a constant rate changed by callbacks moves in steps)")
+    steps = _steps_of(rate)
+    if steps is not None:
+        return True, f"learner reset: every learner restarts from z when {name} drops, {steps}"
+    return False, (f"learner reset: never ({name} is not a step schedule; "
+                   "pass reset_on_lr_drop=True to reset whenever the rate falls)")
+
+
 def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
-            reset_on_lr_drop=True, jit_compile=False, learners=None):
+            reset_on_lr_drop="auto", jit_compile=False, learners=None):
     """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
 
     Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
@@ -90,8 +124,11 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
       alpha: SMA/EASGD correction factor; None means 1/k (SMA) or 0.9/k (EASGD).
       central_momentum: mu_z of SMA; None means 0.9.
       weight_decay: lambda, added to every gradient as lambda*w; None takes SGD(weight_decay=...).
-      reset_on_lr_drop: SMA resets every learner to z when the learning rate falls from one
-        iteration to the next (Crossbow's rule for step schedules).
+      reset_on_lr_drop: when SMA restarts every learner from z (Crossbow's rule for step schedules).
+        "auto": when the rate falls, if it moves in steps (a float or variable that callbacks set,
+        PiecewiseConstantDecay, a staircase ExponentialDecay or InverseTimeDecay); never for any other
+        schedule (a smooth decay falls a little every step). True: whenever the rate falls from one
+        iteration to the next. False: never. ``fit`` prints which rule is in force.
       jit_compile: compile the engine's step with XLA (slower on CPU).
       learners: the engine's learner computation ("auto", "fused", "replicated"); None: the engine's default.
     """
@@ -112,6 +149,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     rule = algorithm_from_optimizer(model.optimizer, algorithm, alpha, central_momentum, weight_decay)
     check_compiled_loss(model)
     detach(model)
+    if reset_on_lr_drop not in ("auto", True, False) or not isinstance(reset_on_lr_drop, (str, bool)):
+        raise ValueError(f"reset_on_lr_drop must be \"auto\", True or False, got {reset_on_lr_drop!r}")
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
                                 learners=learners)
     setattr(model, _ATTRIBUTE, training)
@@ -154,7 +193,7 @@ class _Synchronise(keras.callbacks.Callback):
 class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
-    def __init__(self, model, strategy, algorithm, reset_on_lr_drop=True, jit_compile=False, learners=None):
+    def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None):
         self.model = model
         self.strategy = strategy
         self.loss = CompiledLoss(model)
@@ -165,7 +204,8 @@ class CrossbowTraining:
         options = {} if learners is None else {"learners": learners}
         self.engine = Engine(model, self.loss, algorithm, strategy, jit_compile=jit_compile, **options)
         self.algorithm = self.engine.algorithm
-        self.reset_on_lr_drop = bool(reset_on_lr_drop and self.algorithm.reset_on_lr_drop)
+        self.reset_setting = reset_on_lr_drop
+        self.reset_on_lr_drop, self.reset_rule = reset_rule(self.algorithm, model.optimizer, reset_on_lr_drop)
         # 0 means "no iteration yet": a learning rate is never below it, so the first step never resets.
         self.previous_lr = tf.Variable(0.0, trainable=False, name="crossbow_previous_lr")
         self.resets = tf.Variable(0, dtype=tf.int64, trainable=False, name="crossbow_resets")
@@ -265,6 +305,9 @@ class CrossbowTraining:
         if class_weight is not None or sample_weight is not None:
             raise ValueError("class_weight and sample_weight are not supported by Crossbow training")
         self._check_optimizer_unchanged()
+        self._resolve_reset_rule()
+        if verbose != 0:
+            print(f"crossbow_tf: {self.reset_rule}", flush=True)
         x, keras_batch_size, b = data_lib.group_for_learners(x, batch_size, self.num_learners)
         self._use_global_batch(self.num_learners * b)
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -284,6 +327,7 @@ class CrossbowTraining:
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """One iteration on a global batch of x (cut into k slices, padded to a multiple of k)."""
         self._check_optimizer_unchanged()
+        self._resolve_reset_rule()
         n = len(tree.flatten(x)[0])
         self._use_global_batch(self.num_learners * math.ceil(n / self.num_learners))
         self.adopt_model_weights()
@@ -306,6 +350,13 @@ class CrossbowTraining:
             self.model.train_function = None
             self._traced_batch = global_batch
         self.global_batch = global_batch
+
+    def _resolve_reset_rule(self):
+        # The rule is baked into the traced step; a schedule swapped in since needs a new trace.
+        reset, self.reset_rule = reset_rule(self.algorithm, self.model.optimizer, self.reset_setting)
+        if reset != self.reset_on_lr_drop:
+            self.reset_on_lr_drop = reset
+            self.model.train_function = None
 
     def _check_optimizer_unchanged(self):
         if _optimizer_signature(self.model.optimizer) != self._algorithm_args:
