@@ -5,8 +5,12 @@ class CrossbowError(Exception):
     """Base class of errors caused by user input (configuration, data, arguments)."""
 
 
-class ConfigError(CrossbowError):
-    """An experiment configuration is invalid."""
+class ConfigError(CrossbowError, ValueError):
+    """An experiment configuration or an argument of the Python API is invalid."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting or argument has the wrong type."""
 
 
 class DataError(CrossbowError):

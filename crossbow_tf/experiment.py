@@ -45,10 +45,12 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
         return build_model(cfg.model, data.input_shape, data.num_classes)
 
     t = cfg.autotune
+    # The tuner never tries more learners than one iteration's examples the training set holds.
+    max_learners = max(1, min(t.max_learners_per_device, data.train.size // (len(devices) * cfg.batch_size)))
     log(f"auto-tuning learners per device on {len(devices)} device(s): adding one while images/s "
-        f"gain more than {t.threshold:.0%} (at most {t.max_learners_per_device})")
+        f"gain more than {t.threshold:.0%} (at most {max_learners})")
     tuning = autotune_learners(fresh_model, loss, algorithm, devices, data.train, cfg.batch_size,
-                               threshold=t.threshold, max_learners=t.max_learners_per_device,
+                               threshold=t.threshold, max_learners=max_learners,
                                warmup_iterations=t.warmup_iterations, measure_iterations=t.measure_iterations,
                                learning_rate=cfg.learning_rate.base,
                                cross_device_reduction=cfg.devices.cross_device_reduction,
@@ -62,7 +64,7 @@ def run_experiment(cfg, log=print):
     devices = make_devices(cfg)   # first: it fixes TensorFlow's device list
     import keras
 
-    from crossbow_tf.config import to_dict
+    from crossbow_tf.config import check_fits_data, to_dict
     from crossbow_tf.data import load_dataset
     from crossbow_tf.data.pipeline import iterations_per_epoch
     from crossbow_tf.engine.core import Engine
@@ -72,6 +74,7 @@ def run_experiment(cfg, log=print):
     from crossbow_tf.results import RunResults
 
     data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    check_fits_data(cfg, learners=True, train_size=data.train.size, devices=len(devices))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
     engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners)   # the tuner measures the Engine that will train

@@ -10,6 +10,8 @@ import os
 import platform
 import time
 
+from crossbow_tf.files import atomic_write_text
+
 # Every evaluation holds at least these; tools may rely on them (more keys are allowed).
 EVALUATION_KEYS = ("epoch", "iteration", "examples", "wall_time", "accuracy", "loss")
 RUN_KEYS = ("method", "config", "environment", "evaluations")
@@ -114,11 +116,7 @@ class RunResults:
 
     def save(self, path):
         """Writes the run atomically (a crash never leaves half a file)."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path):

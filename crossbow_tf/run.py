@@ -1,16 +1,25 @@
 """python -m crossbow_tf.run [--config FILE] [--data-dir DIR] ...: train one experiment.
 
-Without arguments it trains Crossbow's LeNet with SMA on the embedded MNIST subset
-(configs/lenet_mnist_embedded.yaml).
+Without arguments it trains Crossbow's LeNet with SMA on the embedded MNIST subset (the default
+experiment, shipped inside the package; configs/lenet_mnist_embedded.yaml is the same file).
+Every argument, the config and the output paths are validated before TensorFlow starts.
 """
-import argparse
 import os
 import sys
 
-from crossbow_tf.errors import CrossbowError
+from crossbow_tf import cli
+from crossbow_tf.errors import ConfigError, CrossbowError
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "lenet_mnist_embedded.yaml")
+DEFAULT_CONFIG_NAME = "lenet_mnist_embedded.yaml"
+
+
+def default_config_path():
+    """The default experiment inside the installed package (crossbow_tf/configs/)."""
+    from importlib import resources
+    return str(resources.files("crossbow_tf") / "configs" / DEFAULT_CONFIG_NAME)
+
+
+DEFAULT_CONFIG = default_config_path()
 
 
 def _int_or_word(text):
@@ -22,8 +31,9 @@ def _int_or_word(text):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m crossbow_tf.run", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML experiment (default: %(default)s)")
+    p = cli.OneLineParser(prog="python -m crossbow_tf.run", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help="YAML experiment (default: the packaged configs/lenet_mnist_embedded.yaml)")
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir)")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--learners-per-device", type=_int_or_word, metavar="M|auto",
@@ -32,10 +42,14 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, help="override the seed")
     p.add_argument("--results", help="write the run's results (JSON) to this new file")
     p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
+    p.add_argument("--check", action="store_true",
+                   help="validate the config, the output paths and the data set's files, then exit 0 without training")
+    cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
 
 def build_config(args):
+    """The validated ExperimentConfig of ARGS (config file and overrides); no TensorFlow."""
     from crossbow_tf import config as config_lib
     cfg = config_lib.to_dict(config_lib.load_config(args.config))
     if args.data_dir is not None:
@@ -47,31 +61,59 @@ def build_config(args):
     if args.logical_cpu_devices is not None:
         cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
     try:
-        return config_lib.from_dict(cfg)
+        built = config_lib.from_dict(cfg)
+        config_lib.check_fits_data(built)
+        return built
     except CrossbowError as e:
-        raise type(e)(f"command line: {e}") from None
+        raise type(e)(f"{args.config if _from_file_only(args) else 'command line'}: {e}") from None
+
+
+def _from_file_only(args):
+    return all(v is None for v in (args.data_dir, args.epochs, args.learners_per_device, args.seed,
+                                   args.logical_cpu_devices))
+
+
+def check_outputs(args):
+    """Every file the run will write can be written (nothing is created)."""
+    from crossbow_tf.files import check_writable
+    if args.results:
+        check_writable(args.results, force=args.force, what="results file")
+
+
+def check_data(cfg):
+    """Loads CFG's data set (its files exist and parse) and checks that an iteration fits in it."""
+    from crossbow_tf import config as config_lib
+    from crossbow_tf.data import load_dataset
+    from crossbow_tf.models import MODELS
+    if cfg.model not in MODELS:
+        raise ConfigError(f"model: unknown model {cfg.model!r}; choose one of {', '.join(sorted(MODELS))}")
+    data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    config_lib.check_fits_data(cfg, train_size=data.train.size)
+    return data
 
 
 def run(args, log=print):
     cfg = build_config(args)
-    if args.results and os.path.exists(args.results) and not args.force:
-        raise CrossbowError(f"{args.results}: results file exists; choose a new name or pass --force")
+    check_outputs(args)
+    if args.check:
+        data = check_data(cfg)
+        log(f"{args.config}: valid; {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} "
+            f"test), {cfg.algorithm.name}, batch {cfg.batch_size} per learner, {cfg.epochs} epochs")
+        return None
     from crossbow_tf.experiment import run_experiment
     results = run_experiment(cfg, log=log)
     if args.results:
-        results.save(args.results)
-        log(f"results written to {args.results}")
+        cli.save_results(results, args.results, log)
     return results
 
 
 def main(argv=None):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TensorFlow's start-up chatter out of the report
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    cli.quiet_tensorflow(args.verbose)
     try:
         run(args)
     except CrossbowError as e:
-        print(f"crossbow_tf: error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail("crossbow_tf", e)
     except KeyboardInterrupt:
         print("crossbow_tf: interrupted", file=sys.stderr)
         return 130

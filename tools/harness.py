@@ -33,6 +33,7 @@ from baselines._cli import parse_tf_ssgd_options, read_yaml, split_sections  # n
 from crossbow_tf.results import time_to_target  # noqa: E402,F401  (the one TTA rule, used here and by tests)
 from crossbow_tf import config as config_lib  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
+from crossbow_tf.files import atomic_write_text  # noqa: E402
 from crossbow_tf.results import format_problems  # noqa: E402
 
 MARKER = ".crossbow_report"   # marks a directory as ours, so --force never empties anyone else's
@@ -789,10 +790,8 @@ def software_line(records):
 
 
 def write_json(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(
+        data, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)))
 
 
 def command_line():

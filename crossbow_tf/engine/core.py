@@ -1,4 +1,8 @@
 """The compiled training step: k = D x m learners, their update rule and the synchronisation."""
+import math
+import numbers
+
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -46,6 +50,21 @@ def _update_groups(variables, learners):
     return [group] + groups if group else groups
 
 
+def _checked_learning_rate(lr):
+    """LR as a float (None for a symbolic tensor); raises for anything but a finite number >= 0."""
+    if isinstance(lr, (tf.Tensor, tf.Variable)) and not tf.executing_eagerly():
+        return None
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise TypeError(f"Engine.train_step: lr must be a number, got {lr!r}") from None
+    if isinstance(lr, bool) or not (isinstance(lr, numbers.Real) or hasattr(lr, "dtype")):
+        raise TypeError(f"Engine.train_step: lr must be a number, got {lr!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"Engine.train_step: lr must be a finite number >= 0, got {value}")
+    return value
+
+
 def _is_float(variable):
     return tf.as_dtype(variable.dtype).is_floating
 
@@ -58,12 +77,32 @@ class Engine:
     velocity u. MODEL itself is left alone until ``write_center_to_model`` copies z into it.
     """
 
-    def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True):
+    def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True,
+                 reset_on_lr_drop=True):
+        """RESET_ON_LR_DROP: ``train_step`` restarts every learner from z when its learning rate is
+        lower than the previous call's (Crossbow's rule for step schedules; SMA only). Pass False
+        for a smoothly decaying rate, which falls at every step, and call ``reset_learners()`` at
+        your own step boundaries."""
+        from crossbow_tf.distribute.strategy import CrossbowStrategy
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"Engine: model must be a keras.Model, got {type(model).__name__}")
+        if not isinstance(strategy, CrossbowStrategy):
+            raise TypeError(f"Engine: strategy must be a crossbow_tf.CrossbowStrategy, got {type(strategy).__name__}")
+        if not (hasattr(algorithm, "resolve") and hasattr(algorithm, "local")):
+            raise TypeError(f"Engine: algorithm must be an update rule such as crossbow_tf.algorithms.SMA(), "
+                            f"got {algorithm!r}")
+        if isinstance(learners, str) and learners not in ("auto", "fused", "replicated"):
+            raise ValueError(f"Engine: learners must be \"auto\", \"fused\" or \"replicated\", got {learners!r}")
+        if not isinstance(reset_on_lr_drop, bool):
+            raise TypeError(f"Engine: reset_on_lr_drop must be True or False, got {reset_on_lr_drop!r}")
         if not model.built:
             raise ValueError(f"model {model.name!r} is not built: give it an Input or call build() first")
         self.model = model
         self.strategy = strategy
         self.algorithm = algorithm.resolve(strategy.num_learners)
+        self.reset_on_lr_drop = reset_on_lr_drop and self.algorithm.reset_on_lr_drop
+        self._previous_lr = None          # the learning rate of the last train_step
+        self._learners_at_center = True   # no step since the learners were last set to z
         # learners: "auto" (fused when every layer allows it), "fused", "replicated", or a computation.
         self.learners = make_learners(model, loss, learners) if isinstance(learners, str) else learners
         m = strategy.learners_per_device
@@ -120,10 +159,38 @@ class Engine:
     def train_step(self, x, y, mask, lr):
         """One iteration on a global batch of k*b examples cut into k consecutive slices of b.
 
-        MASK marks real (1.0) and padding (0.0) examples. Returns (mean loss over real examples,
-        predictions of every learner on its slice, in example order).
+        X and Y have k*b rows (NumPy arrays or tensors; float64 features are cast to float32); MASK
+        (k*b values, or None for all real) marks real (1.0) and padding (0.0) examples; LR is this
+        iteration's learning rate. When LR is lower than the previous call's and the engine resets on
+        drops (see __init__), every learner restarts from z first. Returns (mean loss over real
+        examples, predictions of every learner on its slice, in example order).
         """
-        return self._step(x, y, tf.cast(mask, tf.float32), tf.constant(lr, tf.float32))
+        x, y, mask = self._checked_batch(x, y, mask)
+        lr_value = _checked_learning_rate(lr)
+        if (self.reset_on_lr_drop and lr_value is not None and self._previous_lr is not None
+                and lr_value < self._previous_lr and not self._learners_at_center):
+            self.reset_learners()
+        self._previous_lr = lr_value
+        self._learners_at_center = False
+        return self._step(x, y, mask, tf.cast(lr, tf.float32))
+
+    def _checked_batch(self, x, y, mask):
+        k = self.num_learners
+        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+        if x.dtype == tf.float64:
+            x = tf.cast(x, tf.float32)   # NumPy's default float; the model's weights are float32
+        if y.dtype == tf.float64:
+            y = tf.cast(y, tf.float32)
+        rows = x.shape[0]
+        if rows is None or rows == 0 or rows % k:
+            raise ValueError(f"Engine.train_step: x has {rows} rows; a global batch is k*b rows "
+                             f"(k = {k} learners, b examples each)")
+        if y.shape[0] != rows:
+            raise ValueError(f"Engine.train_step: y has {y.shape[0]} rows, x has {rows}")
+        mask = tf.ones([rows], tf.float32) if mask is None else tf.cast(mask, tf.float32)
+        if mask.shape != (rows,):
+            raise ValueError(f"Engine.train_step: mask must have shape ({rows},), got {tuple(mask.shape)}")
+        return x, y, mask
 
     def _step_fn(self, x, y, mask, lr):
         strategy, alg = self.strategy, self.algorithm
@@ -219,6 +286,7 @@ class Engine:
         """Sets every learner's weights and float state to the central model's (velocities kept)."""
         if not self.algorithm.gradient_at_center:
             self._reset()
+        self._learners_at_center = True
 
     def _reset_fn(self):
         m = self.strategy.learners_per_device
