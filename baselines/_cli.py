@@ -96,9 +96,10 @@ def build(args, algorithm=None):
     try:
         built = config_lib.from_dict(cfg)
         config_lib.check_fits_data(built, learners=algorithm is not None)
-        return built, sections
     except ConfigError as e:
         raise ConfigError(f"command line: {e}") from None
+    cli.import_tensorflow(getattr(args, "verbose", False))   # validated: now TensorFlow may start
+    return built, sections
 
 
 def check_results_path(args):

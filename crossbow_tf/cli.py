@@ -3,7 +3,9 @@
 Imports no TensorFlow (the commands validate everything before it starts).
 """
 import argparse
+import contextlib
 import os
+import re
 import sys
 import tempfile
 
@@ -32,6 +34,44 @@ def quiet_tensorflow(verbose=False):
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     else:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+# What TensorFlow's C++ libraries print while they load, before TF_CPP_MIN_LOG_LEVEL applies
+# (absl logs to stderr until it is initialised): INFO lines and absl's notice about that.
+_START_UP_LINE = re.compile(r"^(I\d{4} \d\d:\d\d:\d+\.\d+ +\d+ |WARNING: All log messages before absl::InitializeLog\(\)"
+                            r"|To enable the following instructions: )")
+
+
+def import_tensorflow(verbose=False):
+    """Imports TensorFlow; unless verbose (see quiet_tensorflow), the start-up lines its libraries
+    print while loading are held back (anything else they print is passed on)."""
+    if "tensorflow" in sys.modules or verbose or os.environ.get(VERBOSE_VARIABLE) == "1":
+        import tensorflow  # noqa: F401
+        return
+    with _filtered_stderr(_START_UP_LINE.match):
+        import tensorflow  # noqa: F401
+
+
+@contextlib.contextmanager
+def _filtered_stderr(drop):
+    """Sends file descriptor 2 (C++ libraries write there directly) to a temporary file meanwhile;
+    then writes its lines that DROP does not match to stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if not drop(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def save_results(results, path, log=print):

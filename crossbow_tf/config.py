@@ -86,13 +86,13 @@ def _check_type(path, value, annotation):
         for option in args:
             try:
                 return _check_type(path, value, option)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigTypeError as e:
+                errors.append(e)   # a value of the right type but out of range says so below
         names = " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
         raise ConfigTypeError(f"{path}: expected {names}, got {value!r}")
     if annotation is type(None):
         if value is not None:
-            raise ConfigError(f"{path}: expected null, got {value!r}")
+            raise ConfigTypeError(f"{path}: expected null, got {value!r}")
         return None
     if origin in (list, typing.List):
         if not isinstance(value, list):

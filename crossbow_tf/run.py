@@ -95,6 +95,7 @@ def check_data(cfg):
 def run(args, log=print):
     cfg = build_config(args)
     check_outputs(args)
+    cli.import_tensorflow(args.verbose)
     if args.check:
         data = check_data(cfg)
         log(f"{args.config}: valid; {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} "
