@@ -6,6 +6,7 @@ the synchronisation. The model object itself keeps being the user's (same class,
 holds the central model z after every step, so Keras's evaluate, predict, save, validation and
 callbacks all see z without knowing about learners.
 """
+import contextlib
 import math
 import os
 import warnings
@@ -425,10 +426,15 @@ class CrossbowTraining:
 
     # BackupAndRestore saves and loads through these; its files then carry the learners as well.
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        result = type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
         if os.path.abspath(str(filepath)) in self._backup_paths:
+            result = type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
             self.save_state(str(filepath) + STATE_SUFFIX)
-        return result
+            return result
+        # Any other weights file (save_weights, ModelCheckpoint) holds z and the optimizer state of
+        # an SGD that has taken no step: SMA never uses SGD's momentum slots, and a freshly
+        # compiled model's SGD then loads the file without Keras's "Skipping variable loading" warning.
+        with _as_unbuilt(self.model.optimizer):
+            return type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, **kwargs):
         result = type(self.model).load_weights(self.model, filepath, **kwargs)
@@ -436,6 +442,18 @@ class CrossbowTraining:
         if os.path.abspath(str(filepath)) in self._backup_paths and os.path.exists(state):
             self.load_state(state)
         return result
+
+
+@contextlib.contextmanager
+def _as_unbuilt(optimizer):
+    """OPTIMIZER shows only the variables it has before ``build`` (iteration, learning rate) meanwhile."""
+    unbuilt = len(type(optimizer).from_config(optimizer.get_config()).variables)
+    saved = optimizer._variables
+    optimizer._variables = saved[:unbuilt]
+    try:
+        yield
+    finally:
+        optimizer._variables = saved
 
 
 def _optimizer_signature(optimizer):
