@@ -316,9 +316,18 @@ def test_write_the_table():
     assert len(OUTCOMES) == len(CASES), "run the whole module to write the table"
     rows = ["| # | entry point | bad input | what it gives |", "|---|---|---|---|"]
     for i, case in enumerate(CASES, 1):
-        given = " ".join(a for a in case.args if a != "--config" and "c.yaml" not in a)
+        given = " ".join(a.replace("{dir}", "<dir>") for a in case.args if a != "--config" and "c.yaml" not in a)
         text = OUTCOMES[case.name].replace("|", "\\|")
-        rows.append(f"| {i} | {COMMANDS[case.entry]}{' ' + given if given else ''} | {case.name} | {text} |")
+        config = case.files.get("c.yaml")
+        if isinstance(config, str) and len(config) < 100:
+            shown = config.strip().replace("{dir}", "<dir>").replace("\n", "; ")
+            what = f"{case.name}: `{shown}`"
+        elif config is not None:
+            what = f"{case.name} (configs/lenet_mnist_cpu.yaml, edited)" if "compare:" in str(config) else case.name
+        else:
+            what = case.name
+        what = what.replace("|", "\\|")
+        rows.append(f"| {i} | {COMMANDS[case.entry]}{' ' + given if given else ''} | {what} | {text} |")
     with open(target, "w", encoding="utf-8") as f:
         f.write("\n".join(rows) + "\n")
 
