@@ -17,7 +17,7 @@ MAX_LOGICAL_CPU_DEVICES = 64
 MAX_LEARNERS_PER_DEVICE = 1024
 # Training examples of the data sets whose size is fixed, to refuse an iteration larger than the
 # training set before anything is loaded (other data sets are checked once loaded).
-KNOWN_TRAIN_SIZES = {"mnist_embedded": 4000, "mnist": 60000, "cifar10": 50000, "cifar100": 50000}
+KNOWN_TRAIN_SIZES = {"mnist_embedded": 4000, "mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000, "cifar100": 50000}
 
 @dataclasses.dataclass
 class DataConfig:
@@ -76,6 +76,10 @@ class ExperimentConfig:
     jit_compile: bool = False                # XLA for the whole step (slower for convolutions on CPU)
     jit_update: bool = True                  # XLA for the memory-bound update only (faster on CPU)
     learners: str = "auto"                   # fused | replicated | auto (fused when every layer allows)
+    learner_diagnostics: bool = True         # per epoch: learner 0's test accuracy, learners' distance to z
+    collapse_epochs: int = 2                 # stop when at chance this many epochs after the first (0: never)
+    batchnorm_eval: str = "averaged"         # z's BatchNorm statistics: averaged | recomputed | both
+    batchnorm_batches: int = 8               # training batches (of eval_batch_size) for "recomputed"
 
 
 def _check_type(path, value, annotation):
@@ -181,6 +185,10 @@ def _validate(c):
     need(0 <= c.seed <= MAX_SEED, f"seed: must be in [0, {MAX_SEED}], got {c.seed}")
     need(c.target_accuracy is None or 0 < c.target_accuracy <= 1,
          f"target_accuracy: must be in (0, 1], got {c.target_accuracy}")
+    need(c.collapse_epochs >= 0, f"collapse_epochs: must not be negative (0 turns the check off), got {c.collapse_epochs}")
+    need(c.batchnorm_eval in ("averaged", "recomputed", "both"),
+         f"batchnorm_eval: unknown {c.batchnorm_eval!r}; choose averaged, recomputed or both")
+    need(c.batchnorm_batches >= 1, f"batchnorm_batches: must be at least 1, got {c.batchnorm_batches}")
     need(c.devices.logical_cpu is None or 1 <= c.devices.logical_cpu <= MAX_LOGICAL_CPU_DEVICES,
          f"devices.logical_cpu: must be in [1, {MAX_LOGICAL_CPU_DEVICES}], got {c.devices.logical_cpu}")
     need(c.learners_per_device == "auto" or c.learners_per_device <= MAX_LEARNERS_PER_DEVICE,
