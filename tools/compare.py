@@ -144,4 +144,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except OSError as e:   # writing the report after the runs (disk full, directory gone)
+        sys.exit(cli.fail("compare", f"{e.filename}: {e.strerror}; the finished runs stay in the report's "
+                                   "runs/ directory: free the space and rerun with --resume to write the report"))
