@@ -46,6 +46,15 @@ class AutotuneConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    """Where and when a run is checkpointed (crossbow_tf.engine.checkpoint); off without a dir."""
+    dir: typing.Optional[str] = None                 # --checkpoint-dir
+    every_iterations: typing.Optional[int] = None    # also every N iterations
+    at_epoch_end: bool = True
+    max_to_keep: int = 3
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     name: str = "experiment"
     model: str = "lenet"
@@ -64,6 +73,9 @@ class ExperimentConfig:
     jit_compile: bool = False                # XLA for the whole step (slower for convolutions on CPU)
     jit_update: bool = True                  # XLA for the memory-bound update only (faster on CPU)
     learners: str = "auto"                   # fused | replicated | auto (fused when every layer allows)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    on_divergence: str = "stop"              # stop | rollback (to the last checkpoint, learning rate halved)
+    max_rollbacks: int = 3
 
 
 def _check_type(path, value, annotation):
@@ -166,6 +178,15 @@ def _validate(c):
     need(c.devices.cross_device_reduction in ("auto", "nccl", "one_device", "hierarchical_copy"),
          f"devices.cross_device_reduction: unknown {c.devices.cross_device_reduction!r}; "
          "choose auto, nccl, one_device or hierarchical_copy")
+    ck = c.checkpoint
+    need(ck.every_iterations is None or ck.every_iterations >= 1,
+         f"checkpoint.every_iterations: must be at least 1 or null, got {ck.every_iterations}")
+    need(ck.max_to_keep >= 1, f"checkpoint.max_to_keep: must be at least 1, got {ck.max_to_keep}")
+    need(c.on_divergence in ("stop", "rollback"),
+         f"on_divergence: unknown {c.on_divergence!r}; choose stop or rollback")
+    need(c.max_rollbacks >= 0, f"max_rollbacks: must not be negative, got {c.max_rollbacks}")
+    need(c.on_divergence != "rollback" or ck.dir,
+         "on_divergence: rollback needs checkpoints to roll back to: give checkpoint.dir (--checkpoint-dir)")
     return c
 
 

@@ -35,6 +35,19 @@ def format_problems(d):
     return problems
 
 
+def json_safe(value):
+    """VALUE with every non-finite float replaced by None (JSON has no NaN), containers copied."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():   # NumPy scalars
+        return json_safe(value.item())
+    return value
+
+
 def environment():
     import keras
     import tensorflow as tf
@@ -117,7 +130,7 @@ class RunResults:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+            json.dump(json_safe(self.to_dict()), f, indent=1, allow_nan=False)   # null, never a bare NaN
         os.replace(tmp, path)
 
     @classmethod
