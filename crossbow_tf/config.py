@@ -185,8 +185,6 @@ def _validate(c):
     need(c.on_divergence in ("stop", "rollback"),
          f"on_divergence: unknown {c.on_divergence!r}; choose stop or rollback")
     need(c.max_rollbacks >= 0, f"max_rollbacks: must not be negative, got {c.max_rollbacks}")
-    need(c.on_divergence != "rollback" or ck.dir,
-         "on_divergence: rollback needs checkpoints to roll back to: give checkpoint.dir (--checkpoint-dir)")
     return c
 
 

@@ -38,3 +38,8 @@ class TrainingInterrupted(TrainingStopped):
 class TrainingDiverged(TrainingStopped):
     """A loss, a learner or z became NaN or infinite (after any roll-backs allowed)."""
     exit_code = 3
+
+
+class DamagedFile(CheckpointError, OSError):
+    """A checkpoint, backup or state file cannot be read (an OSError, as Keras's BackupAndRestore
+    expects of a damaged backup before it falls back to the previous one)."""

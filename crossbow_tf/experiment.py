@@ -6,6 +6,7 @@ import time
 from crossbow_tf.algorithms import ALGORITHMS
 from crossbow_tf.distribute import CrossbowStrategy
 from crossbow_tf.distribute.devices import default_devices, split_cpu
+from crossbow_tf.errors import ConfigError
 
 
 def make_algorithm(cfg):
@@ -92,6 +93,9 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None):
     With cfg.checkpoint.dir the run is checkpointed there; RESUME continues it from the newest
     checkpoint. STOP_SIGNALS (crossbow_tf.engine.signals.StopSignals) stops it cleanly.
     """
+    if cfg.on_divergence == "rollback" and not cfg.checkpoint.dir:
+        raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: "
+                          "give checkpoint.dir (--checkpoint-dir)")
     devices = make_devices(cfg)   # first: it fixes TensorFlow's device list
     import keras
 

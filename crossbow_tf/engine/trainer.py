@@ -55,13 +55,13 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
     run = _Run(engine, data, batch_size, epochs, schedule, results, seed=seed, target_accuracy=target_accuracy,
                stop_at_target=stop_at_target, eval_batch_size=eval_batch_size, shuffle=shuffle, log=log,
                checkpoints=checkpoints, stop_signals=stop_signals)
-    if progress is None:
-        progress = Progress()
-        if checkpoints is not None:
-            checkpoints.save(progress, results)   # a run always has a good checkpoint to return to
     if stop_signals is not None:
         stop_signals.deferred = True
     try:
+        if progress is None:
+            progress = Progress()
+            if checkpoints is not None:
+                checkpoints.save(progress, results)   # a run always has a good checkpoint to return to
         while True:
             try:
                 run.epochs(progress)
@@ -95,8 +95,8 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
 class _NonFinite(Exception):
     def __init__(self, what, iteration, epoch, position, per_epoch):
         self.what, self.iteration, self.epoch = what, iteration, epoch
-        super().__init__(f"{', '.join(what)} not finite at iteration {iteration} "
-                         f"(epoch {epoch}, iteration {position} of {per_epoch})")
+        super().__init__(f"not finite at iteration {iteration} (epoch {epoch}, iteration {position} of "
+                         f"{per_epoch}): {', '.join(what)}")
 
 
 class _Run:
