@@ -96,7 +96,9 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None):
     if cfg.on_divergence == "rollback" and not cfg.checkpoint.dir:
         raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: "
                           "give checkpoint.dir (--checkpoint-dir)")
-    devices = make_devices(cfg)   # first: it fixes TensorFlow's device list
+    # Before the devices: a checkpoint that cannot be resumed is refused before TensorFlow starts work.
+    resume_point = find_resume_point(cfg, resume, log) if cfg.checkpoint.dir else None
+    devices = make_devices(cfg)   # first to touch the devices: it fixes TensorFlow's device list
     import keras
 
     from crossbow_tf.config import to_dict
@@ -109,7 +111,6 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None):
     from crossbow_tf.models import build_model
     from crossbow_tf.results import RunResults
 
-    resume_point = find_resume_point(cfg, resume, log) if cfg.checkpoint.dir else None
     data = load_dataset(cfg.data.name, cfg.data.data_dir)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)

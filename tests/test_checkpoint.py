@@ -135,6 +135,15 @@ def kill_and_resume(args, kills, delays):
     return processes
 
 
+def wait_for_checkpoint(p, path, timeout=300):
+    """Returns once P has written checkpoint PATH."""
+    assert p.wait_for(HEADER)
+    deadline = time.time() + timeout
+    while not os.path.exists(f"{path}.index"):
+        assert time.time() < deadline and p.proc.poll() is None, p.output
+        time.sleep(0.02)
+
+
 def strict_json(text):
     def refuse(constant):
         raise ValueError(f"not JSON: {constant}")
@@ -195,41 +204,39 @@ def test_sigkill_then_resume_of_the_auto_tuned_default_is_bit_identical_and_does
 
 # --- SIGTERM and SIGINT --------------------------------------------------------------------------
 
-def test_sigterm_mid_epoch_writes_a_checkpoint_says_how_to_resume_and_exits_143(tmp_path):
-    config = tiny_config(tmp_path)   # checkpoints at epoch ends only: the one at the signal is extra
+def test_sigterm_mid_epoch_writes_a_checkpoint_says_how_to_resume_and_exits_143(tmp_path, capsys):
+    config = tiny_config(tmp_path, checkpoint={"every_iterations": 5})
     checkpoints = tmp_path / "checkpoints"
     p = Process([DRIVER, "--config", config, "--checkpoint-dir", str(checkpoints)])
-    assert p.wait_for(HEADER)
-    time.sleep(0.5)
+    wait_for_checkpoint(p, checkpoints / "ckpt-2")               # at iteration 5 (ckpt-1: the start)
     p.proc.send_signal(signal.SIGTERM)
     assert p.finish() == 143, p.output
     m = re.search(r"stopped by SIGTERM at iteration (\d+) \(epoch 1\); checkpoint (\S+); "
                   r"to continue: (.*)$", p.output, re.M)
     assert m, p.output
     iteration, path, command = int(m.group(1)), m.group(2), m.group(3)
-    assert 0 < iteration < 20                                   # mid-epoch (20 iterations per epoch)
+    assert 5 <= iteration < 20                                  # mid-epoch (20 iterations per epoch)
     assert path == checkpoint_paths(str(checkpoints))[0]
     progress = read_record(path)["progress"]
     assert (progress["iteration"], progress["position"], progress["epoch"]) == (iteration, iteration, 0)
     assert command.endswith("--resume") and str(checkpoints) in command
     assert "Traceback" not in p.output
 
-    # Resuming without --resume, or with a setting that changes the trajectory, is refused.
-    again = Process([DRIVER, "--config", config, "--checkpoint-dir", str(checkpoints)])
-    assert again.finish() == 2 and "pass --resume to continue it" in again.output
+    # Resuming without --resume, or with a setting that changes the trajectory, is refused (before
+    # the devices are set up, so this process can check it).
+    assert main(["--config", config, "--checkpoint-dir", str(checkpoints)]) == 2
+    assert "pass --resume to continue it" in capsys.readouterr().err
     changed = tiny_config(tmp_path, name="changed.yaml", batch_size=4, seed=4)
-    refused = Process([DRIVER, "--config", changed, "--checkpoint-dir", str(checkpoints), "--resume"])
-    assert refused.finish() == 2
-    error = [line for line in refused.lines if "error" in line]
-    assert len(error) == 1 and "different configuration" in error[0], refused.output
-    assert "batch_size (8 in the checkpoint, 4 now)" in error[0] and "seed (3 in the checkpoint, 4 now)" in error[0]
+    assert main(["--config", changed, "--checkpoint-dir", str(checkpoints), "--resume"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "different configuration" in error
+    assert "batch_size (8 in the checkpoint, 4 now)" in error and "seed (3 in the checkpoint, 4 now)" in error
     assert checkpoint_paths(str(checkpoints))[0] == path          # nothing written
 
 
 def test_second_sigint_exits_at_once_without_a_traceback(tmp_path):
     p = Process([DRIVER, "--config", tiny_config(tmp_path), "--checkpoint-dir", str(tmp_path / "c")])
-    assert p.wait_for(HEADER)
-    time.sleep(0.5)
+    wait_for_checkpoint(p, tmp_path / "c" / "ckpt-1")            # training starts after this one
     p.proc.send_signal(signal.SIGINT)
     assert p.wait_for("SIGINT received: stopping at the end of this iteration")
     p.proc.send_signal(signal.SIGINT)
@@ -247,22 +254,26 @@ def test_huge_learning_rate_stops_with_exit_3_valid_results_and_an_intact_checkp
                  "--results", str(results)])
     assert p.finish() == 3, p.output
     m = re.search(r"crossbow_tf: diverged: not finite at iteration (\d+) \(epoch 1, iteration \d+ of 20\): "
-                  r"the loss(, learner \d)*(, z)?.*; last good checkpoint (\S+)$", p.output, re.M)
+                  r"the loss(, z)?(, learner \d)*; last good checkpoint (?P<good>\S+)$", p.output, re.M)
     assert m and "Traceback" not in p.output, p.output
     saved = strict_json(results.read_text())                     # no bare NaN anywhere
     assert saved["diverged"]["iteration"] == int(m.group(1)) and saved["diverged"]["non_finite"][0] == "the loss"
-    good = m.group(3)
+    good = m.group("good")
     assert good == checkpoint_paths(str(checkpoints))[0]
     record = read_record(good)
     assert record["progress"]["iteration"] < int(m.group(1))
     assert all(np.isfinite(v).all() for k, v in final_state(str(checkpoints)).items() if v.dtype.kind == "f")
 
-    # Rolling back halves the rate each time; at 1e6 that is not enough, so it stops as above.
-    p = Process(["-m", "crossbow_tf.run", "--config", config, "--checkpoint-dir", str(tmp_path / "rollback"),
-                 "--on-divergence", "rollback"])
-    assert p.finish() == 3
-    assert [float(s) for s in re.findall(r"learning rate scaled by (\S+) \(roll-back", p.output)] == [0.5, 0.25, 0.125]
-    assert "diverged after 3 roll-back(s): not finite at iteration" in p.output
+def test_rollback_halves_the_learning_rate_at_most_max_rollbacks_times_then_stops(tmp_path, capsys):
+    # At 1e6 halving three times is not enough, so it stops as without roll-backs. (In this process:
+    # the test session's 4 devices, one learner each.)
+    config = tiny_config(tmp_path, model="lenet", learning_rate={"base": 1000000.0}, devices={"logical_cpu": 4},
+                         learners_per_device=1)
+    assert main(["--config", config, "--checkpoint-dir", str(tmp_path / "c"), "--on-divergence", "rollback"]) == 3
+    captured = capsys.readouterr()
+    scales = [float(s) for s in re.findall(r"learning rate scaled by (\S+) \(roll-back", captured.out)]
+    assert scales == [0.5, 0.25, 0.125]
+    assert "diverged after 3 roll-back(s): not finite at iteration" in captured.err
 
 
 def _engine(devices, seed=0):
@@ -362,3 +373,56 @@ def test_damaged_keras_backup_or_sidecar_is_one_clear_error(cpu_devices, tmp_pat
         with open(damaged, "wb") as f:
             f.write(original)
     assert open(sidecar, "rb").read() == data
+
+
+# --- tools/compare.py and tools/sweep.py: an unfinished run continues from its checkpoints ----------
+
+FAKE_RUN = '''#!{python}
+"""Stands in for `python -m crossbow_tf.run ...`: logs whether it was given a checkpoint directory that
+already holds a checkpoint; "stopped" leaves one there and exits 143 as a SIGTERM would."""
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_CALLS"], "a") as f:
+    found = "--checkpoint-dir" in args and os.path.exists(os.path.join(args[args.index("--checkpoint-dir") + 1], "ckpt"))
+    f.write(json.dumps(dict(args=args, found=found)) + "\\n")
+if os.environ["FAKE_MODE"] == "stopped":
+    directory = args[args.index("--checkpoint-dir") + 1]
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, "ckpt"), "w").close()
+    sys.exit(143)
+evals = [dict(epoch=1, iteration=10, examples=4000, wall_time=2.5, accuracy=0.97, loss=0.1)]
+json.dump(dict(method="sma", config={{}}, environment={{}}, evaluations=evals, num_learners=1),
+          open(args[args.index("--results") + 1], "w"))
+'''
+
+
+def test_resumed_comparison_continues_a_run_checkpointed_mid_way(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "tools"))
+    import harness
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_RUN.format(python=sys.executable))
+    fake.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    out = tmp_path / "report"
+    harness.prepare_out_dir(str(out))
+    checkpoints = out / "runs" / "sma" / "a.checkpoints"
+
+    def run(mode, resume, seed=0, method="sma"):
+        monkeypatch.setenv("FAKE_MODE", mode)
+        runner = harness.Runner(str(out), 1, resume=resume, out=open(os.devnull, "w"), python=str(fake))
+        return runner.run(method, {"seed": seed}, None, method, "a", "a", seed, 0.96, 30)
+
+    def last_call():
+        return json.loads(calls.read_text().splitlines()[-1])
+
+    assert run("stopped", resume=False).summary is None           # a compare stopped mid-run
+    assert last_call()["args"][-3:] == ["--checkpoint-dir", str(checkpoints), "--resume"]
+    assert (checkpoints / "ckpt").exists()
+    assert run("ok", resume=True).summary["tta"] == 2.5              # --resume: the run continues
+    assert last_call()["found"] and not checkpoints.exists()         # finished: its checkpoints go
+    run("stopped", resume=False, seed=1)
+    run("ok", resume=True, seed=2)                                    # other settings: starts afresh
+    assert not last_call()["found"]
+    run("ok", resume=False, method="tf_ssgd")                         # stock Keras: no checkpoints
+    assert "--checkpoint-dir" not in last_call()["args"]
