@@ -163,7 +163,7 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical_with_batchnorm_an
 
     rng = random.Random(11)
     killed = kill_and_resume([DRIVER, "--config", config, "--checkpoint-dir", str(tmp_path / "killed"),
-                              "--resume", "--results", str(tmp_path / "killed.json")],
+                              "--resume", "--results", str(tmp_path / "killed.json"), "--force"],
                              kills=3, delays=lambda: rng.uniform(0.05, 0.95) * training_time)
     codes = [p.proc.returncode for p in killed]
     assert codes[-1] == 0, killed[-1].output
@@ -185,7 +185,7 @@ def test_sigkill_then_resume_of_the_auto_tuned_default_is_bit_identical_and_does
     write_config(config, **settings)
     rng = random.Random(5)
     killed = kill_and_resume(["-m", "crossbow_tf.run", "--config", str(config), "--checkpoint-dir",
-                              str(tmp_path / "killed"), "--resume", "--results", str(tmp_path / "killed.json")],
+                              str(tmp_path / "killed"), "--resume", "--results", str(tmp_path / "killed.json"), "--force"],
                              kills=2, delays=lambda: rng.uniform(0.5, 4.0))
     assert killed[-1].proc.returncode == 0, killed[-1].output
     assert "auto-tuned learners per device" in killed[0].output
