@@ -28,9 +28,11 @@ from crossbow_tf.engine.checkpoint import Checkpoints, checkpoint_paths, read_re
 from crossbow_tf.engine.core import Engine
 from crossbow_tf.engine.schedule import StepSchedule
 from crossbow_tf.engine.trainer import train
-from crossbow_tf.errors import TrainingDiverged
+from crossbow_tf.engine.signals import StopSignals
+from crossbow_tf.errors import TrainingDiverged, TrainingInterrupted
 from crossbow_tf.results import RunResults
-from crossbow_tf.run import main
+from crossbow_tf.run import main, parse_args
+from crossbow_tf.run import run as run_command
 from test_data_formats import write_mnist
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -181,7 +183,7 @@ def test_sigkill_then_resume_of_the_auto_tuned_default_is_bit_identical_and_does
     config = tmp_path / "default.yaml"
     from crossbow_tf.run import DEFAULT_CONFIG
     settings = yaml.safe_load(open(DEFAULT_CONFIG))
-    settings.update(epochs=2, stop_at_target=False, checkpoint={"every_iterations": 10})
+    settings.update(epochs=1, stop_at_target=False, checkpoint={"every_iterations": 10})
     write_config(config, **settings)
     rng = random.Random(5)
     killed = kill_and_resume(["-m", "crossbow_tf.run", "--config", str(config), "--checkpoint-dir",
@@ -333,16 +335,25 @@ def test_non_finite_learner_is_named_and_rollback_recovers(cpu_devices, tmp_path
 
 # --- configuration and the Keras path --------------------------------------------------------------
 
-def test_resume_accepts_settings_that_keep_the_trajectory(tmp_path, capsys):
-    """More epochs and another target are not part of the trajectory: resuming with them continues."""
-    config = tiny_config(tmp_path, model="lenet", devices={"logical_cpu": 4}, learners_per_device=1, epochs=1)
+def test_sigint_at_an_epoch_end_then_resume_with_more_epochs(tmp_path, capsys):
+    """SIGINT stops at the next boundary (exit code 130). More epochs are not part of the trajectory:
+    resuming with them continues. (In this process: the test session's 4 devices.)"""
+    config = tiny_config(tmp_path, model="lenet", devices={"logical_cpu": 4}, learners_per_device=1, epochs=2)
     checkpoints = str(tmp_path / "c")
-    assert main(["--config", config, "--checkpoint-dir", checkpoints]) == 0
-    assert main(["--config", config, "--checkpoint-dir", checkpoints, "--epochs", "2", "--resume",
+
+    def log(line):
+        if line.startswith("epoch   1/2"):
+            os.kill(os.getpid(), signal.SIGINT)
+    with StopSignals() as stop, pytest.raises(TrainingInterrupted) as stopped:
+        run_command(parse_args(["--config", config, "--checkpoint-dir", checkpoints]), log=log, stop_signals=stop)
+    assert (stopped.value.exit_code, stopped.value.iteration, stopped.value.epoch) == (130, 20, 2)
+    assert stopped.value.checkpoint == checkpoint_paths(checkpoints)[0]
+    assert "SIGINT received" in capsys.readouterr().err
+    assert main(["--config", config, "--checkpoint-dir", checkpoints, "--epochs", "3", "--resume",
                  "--results", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert "resuming from" in out and "epoch   2/2" in out and "epoch   1/2" not in out
-    assert [e["epoch"] for e in json.loads((tmp_path / "r.json").read_text())["evaluations"]] == [1, 2]
+    assert "resuming from" in out and "epoch   2/3" in out and "epoch   1/3" not in out
+    assert [e["epoch"] for e in json.loads((tmp_path / "r.json").read_text())["evaluations"]] == [1, 2, 3]
 
 
 def test_resume_needs_a_checkpoint_directory(capsys):

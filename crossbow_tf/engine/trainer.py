@@ -155,7 +155,8 @@ class _Run:
             self._end_epoch(p, epoch)
             if self.checkpoints is not None and (self.checkpoints.at_epoch_end or p.finished):
                 self.checkpoints.save(p, self.results)
-            self._stop_if_asked(p)
+            if not p.finished and epoch < self.epochs_total:   # a finished run just ends
+                self._stop_if_asked(p)
 
     def _end_epoch(self, p, epoch):
         engine, schedule = self.engine, self.schedule
