@@ -30,6 +30,7 @@ from crossbow_tf.engine.schedule import StepSchedule
 from crossbow_tf.engine.trainer import train
 from crossbow_tf.engine.signals import StopSignals
 from crossbow_tf.errors import TrainingDiverged, TrainingInterrupted
+from crossbow_tf.models import MODELS
 from crossbow_tf.results import RunResults
 from crossbow_tf.run import main, parse_args
 from crossbow_tf.run import run as run_command
@@ -335,10 +336,12 @@ def test_non_finite_learner_is_named_and_rollback_recovers(cpu_devices, tmp_path
 
 # --- configuration and the Keras path --------------------------------------------------------------
 
-def test_sigint_at_an_epoch_end_then_resume_with_more_epochs(tmp_path, capsys):
+def test_sigint_at_an_epoch_end_then_resume_with_more_epochs(tmp_path, capsys, monkeypatch):
     """SIGINT stops at the next boundary (exit code 130). More epochs are not part of the trajectory:
     resuming with them continues. (In this process: the test session's 4 devices.)"""
-    config = tiny_config(tmp_path, model="lenet", devices={"logical_cpu": 4}, learners_per_device=1, epochs=2)
+    from bn_dropout_run import bn_dropout
+    monkeypatch.setitem(MODELS, "bn_dropout", bn_dropout)
+    config = tiny_config(tmp_path, devices={"logical_cpu": 4}, learners_per_device=1, epochs=2)
     checkpoints = str(tmp_path / "c")
 
     def log(line):
