@@ -38,7 +38,8 @@ def load(path):
         raise ConfigError(f"{path}: {e}") from None
 
 
-TF_SSGD_DEFAULTS = {"lr_scaling": "none", "reference_batch": 256, "input": "repeat", "jit_compile": "auto"}
+TF_SSGD_DEFAULTS = {"lr_scaling": "none", "reference_batch": 256, "warmup_from": "zero", "input": "repeat",
+                    "jit_compile": "auto"}
 
 
 def parse_tf_ssgd_options(section):
@@ -52,6 +53,11 @@ def parse_tf_ssgd_options(section):
     r = opts["reference_batch"]
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ConfigError(f"tf_ssgd.reference_batch: must be a positive integer, got {r!r}")
+    if opts["warmup_from"] not in ("zero", "unscaled"):
+        raise ConfigError(f"tf_ssgd.warmup_from: choose zero or unscaled, got {opts['warmup_from']!r}")
+    if opts["warmup_from"] == "unscaled" and opts["lr_scaling"] != "linear":
+        raise ConfigError("tf_ssgd.warmup_from: unscaled needs lr_scaling: linear (without scaling the "
+                          "unscaled rate is the peak, so there would be no warm-up)")
     if opts["input"] not in ("per_epoch", "repeat"):
         raise ConfigError(f"tf_ssgd.input: choose per_epoch or repeat, got {opts['input']!r}")
     if opts["jit_compile"] not in ("auto", True, False):

@@ -11,8 +11,13 @@ algorithm.momentum and .weight_decay go to the stock optimizer.
 Options in the YAML's ``tf_ssgd:`` section (all optional):
 
   lr_scaling: none | linear   linear: the rate is learning_rate.base * global batch / reference_batch
-                              (Goyal et al. 2017); warm-up then ramps from the unscaled rate
+                              (Goyal et al. 2017)
   reference_batch: 256        the global batch learning_rate.base was chosen for
+  warmup_from: zero | unscaled
+                              zero (default): over learning_rate.warmup_epochs the rate ramps
+                              linearly from ~0 to its peak, exactly as in crossbow's engine
+                              (StepSchedule); unscaled (needs lr_scaling: linear): Goyal et al.'s
+                              gradual warm-up, from learning_rate.base to the scaled peak
   input: repeat | per_epoch   repeat (default): one iterator over all epochs with steps_per_epoch;
                               per_epoch: fit re-iterates the data set every epoch. Both are common
                               idioms, but here per_epoch also restarts the pipelines that give
@@ -119,8 +124,9 @@ def make_schedule(cfg, opts, global_batch, per_epoch):
     """The stock-optimizer schedule for CFG: (GoyalSchedule, scale of the base rate)."""
     lr = cfg.learning_rate
     scale = global_batch / opts["reference_batch"] if opts["lr_scaling"] == "linear" else 1.0
-    # Goyal et al. ramp up from the unscaled rate; with no scale-up there is nothing to ramp from.
-    start = min(1.0, 1.0 / scale) if opts["lr_scaling"] == "linear" else 0.0
+    # warmup_from zero: learning_rate.warmup_epochs means what it means in the engine (a ramp from
+    # ~0 to the peak); unscaled: Goyal et al.'s gradual warm-up from the unscaled rate.
+    start = min(1.0, 1.0 / scale) if opts["warmup_from"] == "unscaled" else 0.0
     return GoyalSchedule(lr.base * scale, [round(e * per_epoch) for e in lr.drops_at_epochs], lr.drop_factor,
                          round(lr.warmup_epochs * per_epoch), start), scale
 
@@ -232,7 +238,7 @@ def train(cfg, opts, log=print):
     from crossbow_tf.data import load_dataset
     from crossbow_tf.data.pipeline import eval_batches
     from crossbow_tf.models import build_model
-    from crossbow_tf.results import RunResults
+    from crossbow_tf.results import RunResults, at_chance, reaches
 
     if cfg.learners_per_device != 1:
         log(f"note: learners_per_device {cfg.learners_per_device} ignored: S-SGD runs one replica per device")
@@ -270,6 +276,7 @@ def train(cfg, opts, log=print):
     results = RunResults("tf_ssgd", to_dict(cfg), devices=devices, num_learners=replicas,
                          global_batch=global_batch, tf_ssgd_options=opts)
     seen = {"examples": 0}
+    chance = {"run": 0}
 
     def evaluate():
         out = model.evaluate(test_ds, verbose=0, return_dict=True)
@@ -283,11 +290,19 @@ def train(cfg, opts, log=print):
         results.add_evaluation(epoch=epoch, iteration=iteration, examples=seen["examples"], wall_time=train_time,
                                accuracy=accuracy, loss=loss, train_loss=train_loss, epoch_time=epoch_time,
                                images_per_second=data.train.size / epoch_time,
-                               epoch_start_time=clock.stalls[-1] if clock.stalls else None)
+                               epoch_start_time=clock.stalls[-1] if clock.stalls else None,
+                               test_examples=data.test.size)
         log(f"epoch {epoch:3d}/{cfg.epochs}  test accuracy {accuracy:.4f}  test loss {loss:.4f}  "
             f"train loss {train_loss:.4f}  time {epoch_time:6.2f}s  "
             f"{data.train.size / epoch_time:8.0f} images/s  lr {schedule.value(iteration - 1):.4g}")
-        return (cfg.target_accuracy is not None and cfg.stop_at_target and accuracy >= cfg.target_accuracy)
+        chance["run"] = chance["run"] + 1 if epoch > 1 and at_chance(accuracy, data.num_classes) else 0
+        if cfg.collapse_epochs and chance["run"] >= cfg.collapse_epochs:
+            results.extra["collapsed"] = True
+            log(f"collapsed: test accuracy at chance ({1 / data.num_classes:.0%}) for {chance['run']} epochs "
+                f"after the first; stopped at epoch {epoch}")
+            return True
+        return (cfg.target_accuracy is not None and cfg.stop_at_target
+                and reaches(accuracy, cfg.target_accuracy, data.test.size))
 
     EpochOrder, EpochClock = _callbacks()
     clock = EpochClock(evaluate, record)

@@ -8,6 +8,13 @@ The names below load on first use: importing the package does not import TensorF
 ``crossbow_tf.run`` can split the CPU into logical devices before TensorFlow starts.
 """
 import importlib
+import os
+
+# The fused learners' grouped convolutions need oneDNN's CPU kernels (TensorFlow's own compute no
+# filter gradient for groups), and TensorFlow enables oneDNN by default only on some CPUs. Set
+# before TensorFlow is imported, so it reaches every entry point and the baselines alike (they
+# import crossbow_tf first); TF_ENABLE_ONEDNN_OPTS=0 in the environment keeps it off.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 _LAZY = {
     "CrossbowStrategy": ("crossbow_tf.distribute.strategy", "CrossbowStrategy"),

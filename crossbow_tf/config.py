@@ -73,6 +73,10 @@ class ExperimentConfig:
     jit_compile: bool = False                # XLA for the whole step (slower for convolutions on CPU)
     jit_update: bool = True                  # XLA for the memory-bound update only (faster on CPU)
     learners: str = "auto"                   # fused | replicated | auto (fused when every layer allows)
+    learner_diagnostics: bool = True         # per epoch: learner 0's test accuracy, learners' distance to z
+    collapse_epochs: int = 2                 # stop when at chance this many epochs after the first (0: never)
+    batchnorm_eval: str = "averaged"         # z's BatchNorm statistics: averaged | recomputed | both
+    batchnorm_batches: int = 8               # training batches (of eval_batch_size) for "recomputed"
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     on_divergence: str = "stop"              # stop | rollback (to the last checkpoint, learning rate halved)
     max_rollbacks: int = 3
@@ -173,6 +177,10 @@ def _validate(c):
          f"algorithm.alpha: must be in (0, 1] or null, got {c.algorithm.alpha}")
     need(c.target_accuracy is None or 0 < c.target_accuracy <= 1,
          f"target_accuracy: must be in (0, 1], got {c.target_accuracy}")
+    need(c.collapse_epochs >= 0, f"collapse_epochs: must not be negative (0 turns the check off), got {c.collapse_epochs}")
+    need(c.batchnorm_eval in ("averaged", "recomputed", "both"),
+         f"batchnorm_eval: unknown {c.batchnorm_eval!r}; choose averaged, recomputed or both")
+    need(c.batchnorm_batches >= 1, f"batchnorm_batches: must be at least 1, got {c.batchnorm_batches}")
     need(c.devices.logical_cpu is None or c.devices.logical_cpu >= 1,
          f"devices.logical_cpu: must be at least 1, got {c.devices.logical_cpu}")
     need(c.devices.cross_device_reduction in ("auto", "nccl", "one_device", "hierarchical_copy"),

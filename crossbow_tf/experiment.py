@@ -152,7 +152,9 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None):
     start = time.perf_counter()
     train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
           target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
-          eval_batch_size=cfg.eval_batch_size, log=log, checkpoints=checkpoints, progress=progress,
+          eval_batch_size=cfg.eval_batch_size, log=log, learner_diagnostics=cfg.learner_diagnostics,
+          collapse_epochs=cfg.collapse_epochs, batchnorm_eval=cfg.batchnorm_eval,
+          batchnorm_batches_count=cfg.batchnorm_batches, checkpoints=checkpoints, progress=progress,
           on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals)
     results.extra["total_time"] = time.perf_counter() - start
     if cfg.target_accuracy is not None:

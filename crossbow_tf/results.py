@@ -63,6 +63,27 @@ def environment():
     }
 
 
+def reaches(accuracy, target, examples=None):
+    """True when ACCURACY, measured on EXAMPLES test examples, reaches TARGET.
+
+    Compared at the evaluation's own resolution, correct / total: an accuracy of 9000/10000 stored
+    as float32 (0.89999998) reaches a target of 0.90. Without EXAMPLES, a plain comparison.
+    """
+    if accuracy is None or accuracy != accuracy:   # None or NaN never reaches
+        return False
+    if not examples:
+        return accuracy >= target
+    return round(accuracy * examples) >= math.ceil(target * examples - 1e-9)
+
+
+CHANCE_MARGIN = 0.02   # "at chance": test accuracy below 1/classes + this
+
+
+def at_chance(accuracy, num_classes):
+    """True when ACCURACY is no better than guessing among NUM_CLASSES (a collapsed run)."""
+    return accuracy < 1.0 / num_classes + CHANCE_MARGIN
+
+
 def first_reaching(evaluations, target):
     """The first of EVALUATIONS (in order) whose accuracy reaches TARGET, or None.
 
@@ -74,7 +95,7 @@ def first_reaching(evaluations, target):
         if e["wall_time"] < previous:
             raise ValueError(f"wall_time goes backwards at epoch {e['epoch']}: {e['wall_time']} < {previous}")
         previous = e["wall_time"]
-        if e["accuracy"] >= target:   # NaN never reaches
+        if reaches(e["accuracy"], target, e.get("test_examples")):
             return e
     return None
 

@@ -129,9 +129,16 @@ def test_learning_rate_schedule_matches_crossbow_and_goyal():
     for t in range(40):
         assert plain.value(t) == pytest.approx(crossbow(t))
         assert float(plain(t)) == pytest.approx(crossbow(t), rel=1e-6)   # the tensor the optimizer uses
-    # Linear scaling (Goyal et al.): x4 at global batch 4 x reference; warm-up ramps from the base rate.
-    goyal, scale = make_schedule(cfg, parse_tf_ssgd_options({"lr_scaling": "linear", "reference_batch": 32}),
-                                 128, per_epoch)
+    # Linear scaling: by default warm-up means what it means in the engine, a ramp from ~0 to the peak.
+    scaled, scale = make_schedule(cfg, parse_tf_ssgd_options({"lr_scaling": "linear", "reference_batch": 32}),
+                                  128, per_epoch)
+    crossbow_scaled = StepSchedule.from_epochs(0.4, [2, 3], 0.5, 1.0, per_epoch)
+    assert scale == 4.0
+    for t in range(40):
+        assert scaled.value(t) == pytest.approx(crossbow_scaled(t))
+    # Goyal et al.'s gradual warm-up (warmup_from: unscaled): x4, ramping from the base rate.
+    goyal, scale = make_schedule(cfg, parse_tf_ssgd_options({"lr_scaling": "linear", "reference_batch": 32,
+                                                             "warmup_from": "unscaled"}), 128, per_epoch)
     assert scale == 4.0
     assert goyal.value(0) == pytest.approx(0.1 + 0.3 / per_epoch)
     assert goyal.value(per_epoch - 1) == pytest.approx(0.4) and goyal.value(per_epoch) == pytest.approx(0.4)

@@ -120,3 +120,52 @@ def test_fused_is_the_default_for_supported_models(cpu_devices):
     engine = Engine(build_model("lenet", (28, 28, 1), 10), LOSS, SMA(),
                     CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
     assert isinstance(engine.learners, FusedLearners)
+
+
+ONEDNN_OFF_SCRIPT = """
+import keras, numpy as np
+from crossbow_tf.algorithms import SMA
+from crossbow_tf.distribute import CrossbowStrategy
+from crossbow_tf.engine.core import Engine
+from crossbow_tf.engine.fused import UnsupportedModel, onednn_enabled
+from crossbow_tf.models import build_model
+assert not onednn_enabled()
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+strategy = CrossbowStrategy(learners_per_device=3)
+try:
+    Engine(build_model("lenet", (28, 28, 1), 10), loss, SMA(), strategy, learners="fused")
+    print("fused: built")
+except UnsupportedModel as e:
+    print("fused: refused:", e)
+engine = Engine(build_model("lenet", (28, 28, 1), 10), loss, SMA(), strategy, learners="auto")
+x = np.random.default_rng(0).random((6, 28, 28, 1), dtype=np.float32)
+value, _ = engine.train_step(x, np.arange(6, dtype=np.int32), np.ones(6), 0.05)
+print("auto:", type(engine.learners).__name__, np.isfinite(float(value)))
+"""
+
+
+def test_without_onednn_grouped_convolutions_fall_back_to_replicated():
+    # TensorFlow's own CPU kernels have no filter gradient for grouped convolutions: without oneDNN
+    # (TensorFlow's default on AMD CPUs) a fused Conv2D must be refused, not fail inside the step.
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", ONEDNN_OFF_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "fused: refused: layer 'conv2d' (Conv2D): the learners' grouped convolution needs oneDNN" in out.stdout
+    assert "auto: ReplicatedLearners True" in out.stdout
+    assert "learners run replicated" in out.stderr
+
+
+def test_crossbow_tf_turns_onednn_on_unless_told_otherwise():
+    import os
+    import subprocess
+    import sys
+    code = "import crossbow_tf, os; from crossbow_tf.engine.fused import onednn_enabled; " \
+           "print(os.environ['TF_ENABLE_ONEDNN_OPTS'], onednn_enabled())"
+    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["1", "True"], out.stderr[-2000:]

@@ -28,8 +28,9 @@ def parse_args(argv):
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="numbers of learners k")
     p.add_argument("--devices", type=int, default=1, help="logical CPU devices the learners are spread over")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median reported)")
-    p.add_argument("--data", default="mnist", choices=["mnist", "cifar-shaped"],
-                   help="embedded MNIST, or random CIFAR-shaped 32x32x3 images with 10 classes")
+    p.add_argument("--data", default="mnist", choices=["mnist", "mnist-shaped", "cifar-shaped"],
+                   help="embedded MNIST, or random MNIST-shaped (28x28x1) or CIFAR-shaped (32x32x3) images "
+                        "with 10 classes (as many as --examples)")
     p.add_argument("--examples", type=int, default=None, help="examples per measured epoch (default: all)")
     p.add_argument("--no-jit-update", dest="jit_update", action="store_false",
                    help="run the update without XLA (to see what the XLA-fused update saves)")
@@ -37,6 +38,7 @@ def parse_args(argv):
                    help="SMA's learner momentum, one row per value (0: plain learner steps, no velocities)")
     p.add_argument("--learners", default="fused", choices=["fused", "replicated"],
                    help="how a device runs its learners")
+    p.add_argument("--json", metavar="FILE", help="also write the table's numbers to FILE (JSON)")
     args = p.parse_args(argv)
     bad = [k for k in args.ks if k < 1 or k % args.devices]
     if bad:
@@ -67,8 +69,10 @@ def main(argv=None):
         (xa, ya), _ = load_embedded_mnist()
     else:
         rng = np.random.default_rng(0)
-        xa = rng.random((4000, 32, 32, 3), dtype=np.float32)
-        ya = rng.integers(0, 10, 4000).astype(np.int32)
+        shape = (28, 28, 1) if args.data == "mnist-shaped" else (32, 32, 3)
+        count = args.examples or 4000
+        xa = rng.random((count,) + shape, dtype=np.float32)
+        ya = rng.integers(0, 10, count).astype(np.int32)
     n = min(args.examples or len(ya), len(ya))
     data = from_arrays(args.data, (xa[:n], ya[:n]), (xa[:1], ya[:1]), num_classes=10)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -153,13 +157,22 @@ def main(argv=None):
     print("| k | learner momentum | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) "
           "| update share |")
     print("|---|---|---|---|---|---|---|---|")
+    table = []
     for k, mu in rows:
         sma, big, small = med[("sma", k, mu)], med[("keras", k * b)], med[("keras", b)]
         share = statistics.median(share_samples[k, mu])
+        table.append(dict(k=k, learner_momentum=mu, batch_size=b, global_batch=k * b, sma=sma, keras_global=big,
+                          keras_small=small, update_share=share))
         print(f"| {k} | {mu:g} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} "
               f"| {share:.0%} |")
     spread = max((max(v) - min(v)) / statistics.median(v) for v in samples.values())
     print(f"\nlargest spread across rounds (max-min)/median: {spread:.0%}")
+    if args.json:
+        import json
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(dict(model=args.model, data=args.data, examples=data.train.size, devices=len(devices),
+                           rounds=args.rounds, rows=table, spread=spread), f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
     return 0
 
 

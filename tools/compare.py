@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/ is a folder of scripts, not a package
 import harness  # noqa: E402
+import study  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
 
 
@@ -31,6 +32,7 @@ def parse_args(argv):
     p.add_argument("--search-seeds", type=int, nargs="+", help="override compare.search_seeds")
     p.add_argument("--seeds", type=int, nargs="+", help="override compare.seeds")
     p.add_argument("--epochs", type=int, help="override the epochs cap of compare (and sweep)")
+    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sweep: section")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
     return p.parse_args(argv)
@@ -38,7 +40,7 @@ def parse_args(argv):
 
 def build(args):
     """(experiment, sections, CompareSpec, compare plan, SweepSpec or None, sweep plan or None)."""
-    experiment, sections = harness.load_harness_config(args.config)
+    experiment, sections = harness.load_harness_config(args.config, args.data_dir)
     section = dict(sections["compare"])
     if not section:
         raise ConfigError(f"{args.config}: no compare: section (methods, grids, seeds) to run")
@@ -60,6 +62,9 @@ def build(args):
         plan = harness.plan_compare(spec, experiment, sections)
         sweep_spec = sweep_plan = None
         if sections["sweep"] and not args.no_sweep:
+            if study.is_study(sections["sweep"]):
+                raise ConfigError("the sweep: section is a study (series:): run it with tools/reproduce.py, "
+                                  "or pass --no-sweep")
             sweep_section = dict(sections["sweep"], **({"epochs": args.epochs} if args.epochs else {}))
             sweep_spec = harness.parse_sweep(sweep_section, experiment)
             sweep_plan = harness.plan_sweep(sweep_spec, experiment, sections)

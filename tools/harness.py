@@ -62,6 +62,7 @@ def run_summary(results, target):
         num_learners=k,
         devices=len(results.get("devices") or []) or None,
         epoch_start_wait=sum(w for w in waits if w) if any(w is not None for w in waits) else None,
+        collapsed=bool(results.get("collapsed")),
     )
 
 
@@ -267,9 +268,15 @@ def parse_sweep(section, experiment, where="sweep"):
         timeout=_positive(section.get("timeout", 900), f"{where}.timeout"))
 
 
-def load_harness_config(path):
-    """(experiment mapping, tool sections) of the YAML at PATH; the experiment part is validated."""
+def load_harness_config(path, data_dir=None):
+    """(experiment mapping, tool sections) of the YAML at PATH; the experiment part is validated.
+
+    DATA_DIR, when given, replaces data.data_dir, so that every run of a tool reads it (--data-dir).
+    """
     experiment, sections = split_sections(read_yaml(path))
+    if data_dir is not None:
+        data = experiment.get("data")
+        experiment["data"] = dict(data if isinstance(data, dict) else {}, data_dir=data_dir)
     try:
         config_lib.from_dict(experiment)
     except ConfigError as e:
@@ -482,7 +489,7 @@ def prepare_out_dir(path, force=False, resume=False):
             shutil.rmtree(path)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, MARKER), "w") as f:
-        f.write("made by tools/compare.py or tools/sweep.py\n")
+        f.write("made by tools/compare.py, tools/sweep.py or tools/reproduce.py\n")
 
 
 def machine_info():

@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/ is a folder of scripts, not a package
 import harness  # noqa: E402
+import study  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
 
 
@@ -28,12 +29,24 @@ def parse_args(argv):
     p.add_argument("--learners", type=int, nargs="+", help="override sweep.sma.learners (k)")
     p.add_argument("--seeds", type=int, nargs="+", help="override sweep.seeds")
     p.add_argument("--epochs", type=int, help="override sweep.epochs (the cap per run)")
+    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
     return p.parse_args(argv)
 
 
+def study_argv(args):
+    """A sweep: section with series: is the reproduction study's half 1: tools/reproduce.py runs it."""
+    if args.global_batches or args.learners or args.seeds or args.epochs:
+        raise ConfigError(f"{args.config}: --global-batches, --learners, --seeds and --epochs apply to the "
+                          "one-grid sweep form; this sweep: section has series: (edit it instead)")
+    return (["--config", args.config, "--out", args.out or os.path.join("reports", "study-sweep"),
+             "--phases", "sweep", "report"] + (["--data-dir", args.data_dir] if args.data_dir else [])
+            + [flag for flag, on in (("--force", args.force), ("--resume", args.resume), ("--dry-run", args.dry_run))
+               if on])
+
+
 def build(args):
-    experiment, sections = harness.load_harness_config(args.config)
+    experiment, sections = harness.load_harness_config(args.config, args.data_dir)
     section = {k: (dict(v) if isinstance(v, dict) else v) for k, v in sections["sweep"].items()}
     if not section:
         raise ConfigError(f"{args.config}: no sweep: section (ssgd, sma, seeds) to run")
@@ -56,6 +69,10 @@ def build(args):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        _, sections = harness.load_harness_config(args.config)
+        if study.is_study(sections["sweep"]):
+            import reproduce
+            return reproduce.main(study_argv(args))
         experiment, spec, plan = build(args)
         out = args.out or os.path.join("reports", experiment.get("name", "experiment") + "-sweep")
         total = len(plan) * len(spec.seeds)

@@ -1,4 +1,6 @@
 """Data sets by name: each loader returns a DataSource (see source.py)."""
+import os
+
 from crossbow_tf.data.cifar import load_cifar10, load_cifar100
 from crossbow_tf.data.embedded import load_embedded_mnist
 from crossbow_tf.data.imagenet import load_imagenet
@@ -18,8 +20,21 @@ def _mnist(data_dir=None):
     return from_arrays("mnist", (to_model_input(x), y), (to_model_input(xt), yt), num_classes=10)
 
 
-DATASETS = {"mnist_embedded": _mnist_embedded, "mnist": _mnist, "cifar10": load_cifar10,
-            "cifar100": load_cifar100, "imagenet": load_imagenet}
+# Where Debian's dataset-fashion-mnist package installs the four IDX files (MNIST's file names).
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def _fashion_mnist(data_dir=None):
+    directory = data_dir or FASHION_MNIST_DIR
+    if not data_dir and not os.path.isdir(directory):
+        raise DataError(f"fashion_mnist: {directory} not found; install it with "
+                        "`apt-get install dataset-fashion-mnist` or pass --data-dir DIR with the four IDX files")
+    (x, y), (xt, yt) = load_mnist(directory)
+    return from_arrays("fashion_mnist", (to_model_input(x), y), (to_model_input(xt), yt), num_classes=10)
+
+
+DATASETS = {"mnist_embedded": _mnist_embedded, "mnist": _mnist, "fashion_mnist": _fashion_mnist,
+            "cifar10": load_cifar10, "cifar100": load_cifar100, "imagenet": load_imagenet}
 
 
 def load_dataset(name, data_dir=None):

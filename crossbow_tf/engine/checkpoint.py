@@ -29,7 +29,8 @@ _RECORD_KEY = "record/.ATTRIBUTES/VARIABLE_VALUE"
 # Evaluation is of z only and changes no weight; the auto-tuner's settings only choose m, which the
 # checkpoint records.
 NON_TRAJECTORY_KEYS = ("name", "epochs", "target_accuracy", "stop_at_target", "eval_batch_size",
-                       "data.data_dir", "autotune.", "checkpoint.", "on_divergence", "max_rollbacks")
+                       "data.data_dir", "autotune.", "checkpoint.", "on_divergence", "max_rollbacks",
+                       "learner_diagnostics", "collapse_epochs", "batchnorm_eval", "batchnorm_batches")
 
 
 @dataclasses.dataclass
@@ -45,7 +46,8 @@ class Progress:
     epoch_seen: int = 0           # real examples of epoch + 1 so far
     lr_scale: float = 1.0         # every roll-back halves it
     rollbacks: int = 0
-    finished: bool = False        # reached the target and stopped
+    chance_run: int = 0           # consecutive epochs (after the first) at chance accuracy
+    finished: bool = False        # reached the target (or collapsed) and stopped
 
 
 def _flatten(mapping, prefix=""):

@@ -44,6 +44,20 @@ def _graph_of(model):
     raise UnsupportedModel(f"subclassed model {type(model).__name__} has no layer graph to fuse")
 
 
+def onednn_enabled():
+    """True when TensorFlow runs oneDNN kernels in this process.
+
+    TensorFlow's own CPU kernels compute no filter gradient of a grouped convolution (and its fused
+    Conv2D+BiasAdd rejects groups); oneDNN's do. TensorFlow turns oneDNN on by default only on some
+    CPUs (not on AMD EPYC, for example); importing crossbow_tf before TensorFlow turns it on.
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return False
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 def _why_unsupported(layer):
     """None when LAYER has a fused form, else the reason."""
     if isinstance(layer, L.InputLayer):
@@ -58,6 +72,9 @@ def _why_unsupported(layer):
             return "grouped Conv2D is not fused"
         if layer.padding not in ("valid", "same"):
             return f"padding {layer.padding!r} is not fused"
+        if not onednn_enabled():
+            return ("the learners' grouped convolution needs oneDNN, which is off in this process "
+                    "(set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow is imported)")
         return None
     if type(layer) in (L.Dense, L.Flatten, L.Dropout, L.MaxPooling2D, L.AveragePooling2D,
                        L.GlobalAveragePooling2D, L.GlobalMaxPooling2D, L.ZeroPadding2D):

@@ -6,10 +6,12 @@ import numpy as np
 import tensorflow as tf
 
 from crossbow_tf.data.pipeline import eval_batches, iterations_per_epoch, train_batches
+from crossbow_tf.engine import diagnostics
 from crossbow_tf.engine.checkpoint import Progress
 from crossbow_tf.engine.replicated import per_example_loss_fn
 from crossbow_tf.engine.schedule import is_drop
 from crossbow_tf.errors import TrainingDiverged, TrainingInterrupted
+from crossbow_tf.results import at_chance, reaches
 
 
 class Evaluator:
@@ -37,12 +39,30 @@ class Evaluator:
         return correct / count, loss / count
 
 
+BATCHNORM_EVAL = ("averaged", "recomputed", "both")
+
+
+def batchnorm_batches(data, batch_size, count, seed):
+    """COUNT batches of training inputs (a fixed, seeded sample) for recomputing BatchNorm statistics."""
+    ds = data.train.dataset.shuffle(min(data.train.size, 10000), seed=seed, reshuffle_each_iteration=False)
+    ds = ds.take(count * batch_size)
+    if data.eval_map is not None:
+        ds = ds.map(data.eval_map)
+    return (x for x, _ in ds.batch(batch_size))
+
+
 def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target_accuracy=None,
-          stop_at_target=True, eval_batch_size=500, shuffle=True, log=print, checkpoints=None,
+          stop_at_target=True, eval_batch_size=500, shuffle=True, log=print, learner_diagnostics=True,
+          collapse_epochs=2, batchnorm_eval="averaged", batchnorm_batches_count=8, checkpoints=None,
           progress=None, on_divergence="stop", max_rollbacks=3, stop_signals=None):
     """Trains ENGINE on DATA (a DataSource) and evaluates z after every epoch.
 
     Returns RESULTS with one evaluation per epoch; wall time counts training only.
+    LEARNER_DIAGNOSTICS: also record learner 0's test accuracy and the learners' mean distance to z.
+    COLLAPSE_EPOCHS: stop, recorded as collapsed, when z sits at chance accuracy for this many
+    epochs after the first (0: never). BATCHNORM_EVAL: evaluate z with the learners' averaged
+    BatchNorm statistics, with statistics "recomputed" on BATCHNORM_BATCHES_COUNT training batches
+    (their cost counts as training time), or "both" (averaged counts; recomputed is recorded beside).
 
     CHECKPOINTS (crossbow_tf.engine.checkpoint.Checkpoints) saves the run at the start (unless
     PROGRESS says it resumes), every ``every_iterations`` and at epoch ends; PROGRESS (a Progress
@@ -52,8 +72,12 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
     so far); ON_DIVERGENCE="rollback" first restores the newest checkpoint with the learning rate
     halved, at most MAX_ROLLBACKS times.
     """
+    if batchnorm_eval not in BATCHNORM_EVAL:
+        raise ValueError(f"batchnorm_eval: choose one of {', '.join(BATCHNORM_EVAL)}, got {batchnorm_eval!r}")
     run = _Run(engine, data, batch_size, epochs, schedule, results, seed=seed, target_accuracy=target_accuracy,
                stop_at_target=stop_at_target, eval_batch_size=eval_batch_size, shuffle=shuffle, log=log,
+               learner_diagnostics=learner_diagnostics, collapse_epochs=collapse_epochs,
+               batchnorm_eval=batchnorm_eval, batchnorm_batches_count=batchnorm_batches_count,
                checkpoints=checkpoints, stop_signals=stop_signals)
     if stop_signals is not None:
         stop_signals.deferred = True
@@ -103,10 +127,13 @@ class _Run:
     """The epoch loop of ``train``, resumable from any Progress."""
 
     def __init__(self, engine, data, batch_size, epochs, schedule, results, *, seed, target_accuracy,
-                 stop_at_target, eval_batch_size, shuffle, log, checkpoints, stop_signals):
+                 stop_at_target, eval_batch_size, shuffle, log, learner_diagnostics, collapse_epochs,
+                 batchnorm_eval, batchnorm_batches_count, checkpoints, stop_signals):
         self.engine, self.data, self.epochs_total, self.schedule, self.results = engine, data, epochs, schedule, results
         self.seed, self.target_accuracy, self.stop_at_target = seed, target_accuracy, stop_at_target
         self.eval_batch_size, self.shuffle, self.log = eval_batch_size, shuffle, log
+        self.learner_diagnostics, self.collapse_epochs = learner_diagnostics, collapse_epochs
+        self.batchnorm_eval, self.batchnorm_batches_count = batchnorm_eval, batchnorm_batches_count
         self.checkpoints, self.stop_signals = checkpoints, stop_signals
         self.global_batch = engine.num_learners * batch_size
         self.per_epoch = iterations_per_epoch(data.train.size, self.global_batch)
@@ -159,19 +186,51 @@ class _Run:
                 self._stop_if_asked(p)
 
     def _end_epoch(self, p, epoch):
-        engine, schedule = self.engine, self.schedule
+        engine, schedule, data, evaluator = self.engine, self.schedule, self.data, self.evaluator
         epoch_time, seen = p.epoch_time, p.epoch_seen
         train_loss = p.epoch_loss_sum / max(seen, 1)
         p.train_time += epoch_time
         p.examples += seen
+        more = {}
+        if self.learner_diagnostics and not engine.algorithm.gradient_at_center:
+            diagnostics.write_learner_to_model(engine, 0)
+            more["learner_accuracy"], _ = evaluator(data.test, self.eval_batch_size, data.eval_map)
+            more["learner_distance"] = diagnostics.mean_distance_to_center(engine)
+            more["center_norm"] = diagnostics.center_norm(engine)
         engine.write_center_to_model()
-        accuracy, test_loss = self.evaluator(self.data.test, self.eval_batch_size, self.data.eval_map)
+        if self.batchnorm_eval != "averaged":
+            if self.batchnorm_eval == "both":
+                averaged = evaluator(data.test, self.eval_batch_size, data.eval_map)
+            bn_start = time.perf_counter()
+            diagnostics.recompute_batchnorm(
+                engine.model, batchnorm_batches(data, self.eval_batch_size, self.batchnorm_batches_count, self.seed))
+            more["bn_recompute_time"] = time.perf_counter() - bn_start
+            if self.batchnorm_eval == "recomputed":
+                p.train_time += more["bn_recompute_time"]
+        accuracy, test_loss = evaluator(data.test, self.eval_batch_size, data.eval_map)
+        if self.batchnorm_eval == "both":   # the recorded accuracy stays the averaged statistics' one
+            more["accuracy_bn_recomputed"] = accuracy
+            accuracy, test_loss = averaged
+            engine.write_center_to_model()
         self.results.add_evaluation(epoch=epoch, iteration=p.iteration, examples=p.examples, wall_time=p.train_time,
                                     accuracy=accuracy, loss=test_loss, train_loss=train_loss,
-                                    epoch_time=epoch_time, images_per_second=seen / epoch_time)
+                                    epoch_time=epoch_time, images_per_second=seen / epoch_time,
+                                    test_examples=data.test.size, **more)
+        extra = "".join([f"  learner 0 {more['learner_accuracy']:.4f}" if "learner_accuracy" in more else "",
+                         f"  distance to z {more['learner_distance']:.3g}" if "learner_distance" in more else "",
+                         f"  recomputed-BN accuracy {more['accuracy_bn_recomputed']:.4f}"
+                         if "accuracy_bn_recomputed" in more else ""])
         self.log(f"epoch {epoch:3d}/{self.epochs_total}  test accuracy {accuracy:.4f}  test loss {test_loss:.4f}  "
                  f"train loss {train_loss:.4f}  time {epoch_time:6.2f}s  "
-                 f"{seen / epoch_time:8.0f} images/s  lr {schedule(p.iteration - 1) * p.lr_scale:.4g}")
+                 f"{seen / epoch_time:8.0f} images/s  lr {schedule(p.iteration - 1) * p.lr_scale:.4g}{extra}")
         p.epoch, p.position, p.epoch_time, p.epoch_loss_sum, p.epoch_seen = epoch, 0, 0.0, 0.0, 0
-        if self.target_accuracy is not None and self.stop_at_target and accuracy >= self.target_accuracy:
+        if (self.target_accuracy is not None and self.stop_at_target
+                and reaches(accuracy, self.target_accuracy, data.test.size)):
+            p.finished = True
+            return
+        p.chance_run = p.chance_run + 1 if epoch > 1 and at_chance(accuracy, data.num_classes) else 0
+        if self.collapse_epochs and p.chance_run >= self.collapse_epochs:
+            self.results.extra["collapsed"] = True
+            self.log(f"collapsed: test accuracy at chance ({1 / data.num_classes:.0%}) for {p.chance_run} epochs "
+                     f"after the first; stopped at epoch {epoch}")
             p.finished = True

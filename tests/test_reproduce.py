@@ -1,0 +1,176 @@
+"""The reproduction study: Fashion-MNIST by name, per-point grids, equal budgets, the driver end to end."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from crossbow_tf.data import load_dataset
+from crossbow_tf.errors import ConfigError, DataError
+from crossbow_tf.results import first_reaching, reaches
+from test_data_formats import write_mnist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import study  # noqa: E402
+
+
+def fashion_dir(tmp_path, n_train=256, n_test=64, seed=0):
+    """Tiny IDX files in Fashion-MNIST's (= MNIST's) format: a learnable two-pattern task."""
+    rng = np.random.default_rng(seed)
+
+    def split(n):
+        y = rng.integers(0, 10, n).astype(np.uint8)
+        x = rng.integers(0, 40, (n, 28, 28)).astype(np.uint8)
+        for i, label in enumerate(y):   # a bright bar whose row tells the class
+            x[i, 2 + 2 * label: 4 + 2 * label, :] = 250
+        return x, y
+    directory = str(tmp_path / "fashion")
+    write_mnist(directory, split(n_train), split(n_test), compress=True)
+    return directory
+
+
+def test_fashion_mnist_loads_from_data_dir(tmp_path):
+    d = fashion_dir(tmp_path)
+    source = load_dataset("fashion_mnist", d)
+    assert source.name == "fashion_mnist" and source.train.size == 256 and source.test.size == 64
+    assert source.input_shape == (28, 28, 1) and source.num_classes == 10
+    x, _ = next(iter(source.train.dataset.batch(4)))
+    assert float(np.max(x)) <= 1.0 and x.dtype.name == "float32"
+
+
+def test_fashion_mnist_missing_says_how_to_install(tmp_path, monkeypatch):
+    import crossbow_tf.data as data
+    monkeypatch.setattr(data, "FASHION_MNIST_DIR", str(tmp_path / "not-installed"))
+    with pytest.raises(DataError, match=r"apt-get install dataset-fashion-mnist.*--data-dir"):
+        load_dataset("fashion_mnist")
+    with pytest.raises(DataError, match="file not found"):   # a given directory without the files
+        load_dataset("fashion_mnist", str(tmp_path))
+
+
+def test_target_is_compared_at_the_evaluation_resolution():
+    as_float32 = float(np.float32(9000 / 10000))          # 0.8999999761581421
+    assert as_float32 < 0.90 and reaches(as_float32, 0.90, 10000)
+    assert not reaches(float(np.float32(8999 / 10000)), 0.90, 10000)
+    assert not reaches(float("nan"), 0.5, 100) and not reaches(None, 0.5, 100)
+    evals = [dict(epoch=1, wall_time=1.0, accuracy=float(np.float32(0.8999)), test_examples=10000),
+             dict(epoch=2, wall_time=2.0, accuracy=as_float32, test_examples=10000)]
+    assert first_reaching(evals, 0.90)["epoch"] == 2
+
+
+EXPERIMENT = dict(name="tiny", model="lenet", data={"name": "fashion_mnist"}, devices={"logical_cpu": 1},
+                  learners_per_device=2, batch_size=16, epochs=2, target_accuracy=0.5, eval_batch_size=64)
+
+
+def sweep(**series):
+    return dict(global_batches=[32, 64], budget=2, search_seeds=[0], seeds=[0], target=0.5, epochs=2,
+                series=series)
+
+
+def plan(section):
+    spec = study.parse_study(section, EXPERIMENT)
+    return spec, study.plan_study(spec, EXPERIMENT, {"tf_ssgd": {}, "compare": {}, "sweep": {}})
+
+
+def test_per_point_grids_in_k_and_shapes():
+    spec, cells = plan(sweep(
+        ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+        sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", "0.5/sqrt(k)"]},
+                 points={64: {"grid": [{"algorithm.alpha": 0.1, "learning_rate.base": 0.05},
+                                       {"algorithm.alpha": "1/k", "learning_rate.base": 0.02}]}})))
+    by = {(c.series.name, c.global_batch): c for c in cells}
+    assert [(c.series.name, c.global_batch) for c in cells] == [("ssgd", 32), ("sma", 32), ("ssgd", 64), ("sma", 64)]
+    assert [p for _, p, _ in by["sma", 32].trials] == [{"algorithm.alpha": 0.5}, {"algorithm.alpha": 0.3536}]
+    assert [p for _, p, _ in by["sma", 64].trials] == [
+        {"algorithm.alpha": 0.1, "learning_rate.base": 0.05}, {"algorithm.alpha": 0.25, "learning_rate.base": 0.02}]
+    exp, _ = by["sma", 64].trials[1][2][0]
+    assert exp["learners_per_device"] == 4 and exp["batch_size"] == 16 and exp["algorithm"]["alpha"] == 0.25
+    exp, opts = by["ssgd", 64].trials[0][2][0]
+    assert exp["batch_size"] == 64 and opts is not None and by["ssgd", 64].k == 1
+
+
+def test_equal_budgets_are_enforced():
+    with pytest.raises(ConfigError, match=r"sweep.series.sma \(global batch 32\): the grid has 1 point\(s\), "
+                                          r"fewer than the budget of 2"):
+        plan(sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+                   sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k"]})))
+    # A larger grid is cut to the budget, so every searched series gets exactly the same number.
+    _, cells = plan(sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2, 0.3, 0.4]}),
+                          sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))
+    assert set(study.searched_budgets(cells).values()) == {2}
+    with pytest.raises(ConfigError, match="an untuned series runs one setting"):
+        plan(sweep(ssgd=dict(method="tf_ssgd", untuned=True, grid={"learning_rate.base": [0.1]}),
+                   sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))
+    with pytest.raises(ConfigError, match=r"sma.batch_size \(per learner\)"):
+        plan(sweep(sma=dict(method="sma", grid={"algorithm.alpha": ["1/k", 0.1]})))
+    with pytest.raises(ConfigError, match="48 is not a point of the study"):
+        plan(sweep(sma=dict(method="sma", batch_size=16, points={48: {}}, grid={"algorithm.alpha": ["1/k", 0.1]})))
+
+
+def test_reproduce_end_to_end_on_tiny_data(tmp_path):
+    data = fashion_dir(tmp_path)
+    doc = dict(EXPERIMENT, tf_ssgd={"reference_batch": 32}, sweep=dict(
+        global_batches=[32, 64], budget=1, search_seeds=[0], seeds=[0], target=0.3, epochs=2, timeout=600,
+        series=dict(ssgd=dict(method="tf_ssgd", fixed={"tf_ssgd.lr_scaling": "linear"},
+                              grid={"learning_rate.base": [0.05]}),
+                    sma=dict(method="sma", batch_size=16,
+                             grid=[{"algorithm.alpha": "1/k", "learning_rate.base": 0.05}]))))
+    config = tmp_path / "study.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "report"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "reproduce.py"), "--config", str(config), "--out", str(out),
+           "--data-dir", data, "--bench-rounds", "1", "--bench-examples", "64", "--bn-epochs", "1"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ETA" in proc.stdout
+    report = (out / "report.md").read_text()
+    for heading in ("## Verdict", "## Half 1", "## Half 2", "## The product", "## BatchNorm", "## Search trials"):
+        assert heading in report
+    assert "4 of 4 training runs finished" in report and "partial" not in report
+    for plot in ("epochs_vs_G.png", "tta_vs_G.png", "accuracy_vs_epochs_largest_G.png"):
+        assert (out / plot).stat().st_size > 1000
+    summary = json.loads((out / "summary.json").read_text())
+    assert [v["claim"] for v in summary["verdict"]][0].startswith("S-SGD's epochs")
+    assert set(summary["bench"]) == {"b16@32", "b16@64"}
+    sma_run = json.loads((out / "runs" / "sma" / "G64" / "t00_s0.json").read_text())
+    assert sma_run["num_learners"] == 4 and sma_run["config"]["data"]["data_dir"] == data
+    e = sma_run["evaluations"][0]
+    assert 0 <= e["learner_accuracy"] <= 1 and e["learner_distance"] > 0 and e["test_examples"] == 64
+    bn = json.loads(next((out / "runs" / "bn").glob("*.json")).read_text())
+    assert bn["config"]["model"] == "lenet_bn" and "accuracy_bn_recomputed" in bn["evaluations"][0]
+    # Resuming reruns nothing.
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("done before") == 6 and "ETA" not in again.stdout   # 4 runs, the bench, bn
+
+
+def test_data_dir_reaches_every_run_of_every_tool(tmp_path):
+    import harness
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(dict(EXPERIMENT, compare=dict(
+        budget=1, seeds=[0], methods={"sma": {"grid": {"learning_rate.base": [0.05]}},
+                                      "tf_ssgd": {"grid": {"learning_rate.base": [0.05]}}}),
+        sweep=sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+                    sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))))
+    experiment, sections = harness.load_harness_config(str(config), "/data/fm")
+    spec = harness.parse_compare(sections["compare"], experiment)
+    for _, trials in harness.plan_compare(spec, experiment, sections):
+        for _, _, configs in trials:
+            assert all(exp["data"]["data_dir"] == "/data/fm" for exp, _ in configs.values())
+    study_spec = study.parse_study(sections["sweep"], experiment)
+    for cell in study.plan_study(study_spec, experiment, sections):
+        assert all(exp["data"]["data_dir"] == "/data/fm" for _, _, c in cell.trials for exp, _ in c.values())
+    # tools/sweep.py hands a study-form sweep: section to tools/reproduce.py.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sweep.py"), "--config", str(config),
+                           "--out", str(tmp_path / "s"), "--data-dir", "/data/fm", "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sma G=64 k=4 t01: alpha=0.1" in proc.stdout and "training runs (at most), budget 2" in proc.stdout
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sweep.py"), "--config", str(config),
+                          "--learners", "4", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "apply to the one-grid sweep form" in bad.stderr
+    assert not (tmp_path / "s").exists()

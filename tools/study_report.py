@@ -1,0 +1,405 @@
+"""The reproduction study's report, built from the files in its directory alone (so a partial or
+resumed study reports what has finished): tables, plots and the verdict of tools/reproduce.py."""
+import glob
+import json
+import os
+
+import harness
+import study
+
+NEAR_SMALL_BATCH = 1.5      # "SMA's epochs stay near small-batch training": within this factor
+ABOUT_ONE_MODEL = 0.8       # "k learners cost about one model at k*b": at least this images/s ratio
+CLAIMED_SPEEDUP = 1.3       # the paper's smallest TTA gain
+
+
+FIDELITY = """\
+- **What a Keras user would run** is `tf_ssgd` (baselines/tf_ssgd.py): the model built under
+  `tf.distribute.MirroredStrategy` over the devices, or with no strategy on one device (this study:
+  one CPU device, so plain Keras), `model.compile` with the stock `keras.optimizers.SGD(momentum=0.9)`
+  and `model.fit` fed by one `tf.data` iterator over all epochs. No crossbow engine, strategy or
+  algorithm code is loaded in its process (each results file lists the crossbow modules it loaded).
+  It shares with SMA's runs only the model definition and initial weights (same seed), the per-epoch
+  example order (crossbow's pipeline, padding removed), the evaluation after every epoch on the whole
+  test split with the clock stopped, and the results format.
+- **Its tuning** is Goyal et al.'s: the base rate (the rate at batch 128) scaled linearly with G,
+  ramped up over the first epoch from the unscaled rate, and the base rate searched per G with the
+  same number of trials as each SMA series. `ssgd_unscaled` is the same optimizer with the batch-128
+  rate at G unchanged and no warm-up: what a user who does not retune gets, a reference outside the
+  verdict.
+- **Where Crossbow's S-SGD differs** (`baselines/crossbow_ssgd.py`, not in this study): it runs
+  through our engine with k learners of b whose gradients at z are averaged into one momentum step,
+  i.e. S-SGD at batch k*b with the engine's placement and reduction instead of Keras's; the
+  optimizer update is the same equation. Crossbow's paper compared against TensorFlow's own
+  S-SGD, which is what `tf_ssgd` is.
+- **Both sides, same TensorFlow settings**: oneDNN on (crossbow_tf sets `TF_ENABLE_ONEDNN_OPTS=1` before
+  TensorFlow starts, in SMA's and the baselines' processes alike; on this AMD CPU TensorFlow leaves it
+  off by default; a one-off check on this machine, loaded by other work, gave stock Keras LeNet at
+  batch 128 about 2,000 images/s with it and 630 without), no XLA."""
+
+
+def _load(path, target):
+    """(summary, evaluations, extra) of one results file, or None when it is missing or unusable."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    if harness.format_problems(data):
+        return None
+    return harness.run_summary(data, target), data["evaluations"], data
+
+
+def run_path(out, cell, label, seed):
+    return os.path.join(out, "runs", cell.series.name, f"G{cell.global_batch}", f"{label}_s{seed}.json")
+
+
+def cell_state(out, spec, cell):
+    """What has finished of CELL: its search trials, the best one, and the best one's seeds."""
+    seeds = sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
+    trials = []
+    for label, point, _ in cell.trials:
+        runs = {s: _load(run_path(out, cell, label, s), spec.target) for s in seeds}
+        trials.append(dict(label=label, point=point, runs=runs))
+    searched = all(r is not None for t in trials for r in t["runs"].values())
+    state = dict(cell=cell, trials=trials, searched=searched, best=None, final={})
+    if not searched:
+        return state
+    if cell.series.untuned:
+        best = 0
+    else:
+        best = harness.best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in trials], by="epochs")
+    label = trials[best]["label"]
+    state["best"] = trials[best]
+    state["final"] = {s: _load(run_path(out, cell, label, s), spec.target) for s in spec.seeds}
+    return state
+
+
+def cell_stats(spec, state):
+    """Median [range] statistics of a cell over its best trial's seeds (None when not finished)."""
+    final = [r for r in state["final"].values() if r is not None]
+    if not state["searched"] or not final:
+        return None
+    summaries = [r[0] for r in final]
+    return dict(
+        seeds=len(final), of=len(spec.seeds), complete=len(final) == len(spec.seeds),
+        reached=sum(s["reached"] for s in summaries), collapsed=sum(s["collapsed"] for s in summaries),
+        epochs=harness.seed_statistics([s["epochs_to_target"] for s in summaries]),
+        tta=harness.seed_statistics([s["tta"] for s in summaries]),
+        best_accuracy=harness.seed_statistics([s["best_accuracy"] for s in summaries]),
+        images_per_second=harness.seed_statistics([s["images_per_second"] for s in summaries]),
+        setting=harness.describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
+
+
+def _cell_text(stats, cap, what="epochs"):
+    if stats is None:
+        return "not run yet"
+    med, lo, hi = stats[what]
+    n = f"{stats['reached']}/{stats['seeds']}" + ("" if stats["complete"] else f" of {stats['of']} seeds")
+    if med is None:
+        best = stats["best_accuracy"][0]
+        return f"not reached in {cap} ({n}; best acc {best:.4f})" if best is not None else f"not reached ({n})"
+    digits = None if what == "epochs" else 1
+    return f"{harness.fmt_stat(stats[what], digits, 'n/r')} ({n})"
+
+
+def _series_label(series):
+    if series.method == "sma":
+        return f"{series.name} (SMA, b={series.batch_size})"
+    if series.untuned:
+        return f"{series.name} ({series.method}, untuned reference)"
+    return f"{series.name} ({series.method})"
+
+
+def load_bench(out):
+    bench = {}
+    for path in sorted(glob.glob(os.path.join(out, "bench", "b*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        for row in data["rows"]:
+            bench[(row["batch_size"], row["global_batch"])] = dict(row, spread=data["spread"], rounds=data["rounds"],
+                                                                  examples=data["examples"])
+    return bench
+
+
+def verdict(spec, cells, stats, bench):
+    """[(claim, verdict, numbers, reason)] from what has finished."""
+    points = sorted(spec.global_batches)
+    small, large = points[0], points[-1]
+    cap = spec.epochs
+
+    def epochs_of(name, g):
+        s = stats.get((name, g))
+        if s is None:
+            return None
+        return s["epochs"][0] if s["epochs"][0] is not None else float("inf")
+
+    ssgd = [c.series.name for c in cells if c.series.method == "tf_ssgd" and not c.series.untuned]
+    sma = [c.series.name for c in cells if c.series.method == "sma"]
+    names = sorted({c.series.name for c in cells if not c.series.untuned})
+
+    def best(names_, g):
+        values = [(epochs_of(n, g), n) for n in names_ if epochs_of(n, g) is not None]
+        return min(values) if values else (None, None)
+
+    def show(e):
+        return "not reached" if e == float("inf") else ("–" if e is None else f"{e:g}")
+    rows = []
+    s_small, _ = best(ssgd, small)
+    s_large, s_large_name = best(ssgd, large)
+    if s_small is None or s_large is None:
+        rows.append(("S-SGD's epochs to target grow with G (its rate tuned)", "not yet measured",
+                     f"G={small}: {show(s_small)}, G={large}: {show(s_large)}", "the study has not finished these points"))
+    else:
+        grew = s_large > s_small
+        rows.append(("S-SGD's epochs to target grow with G (its rate tuned)", "reproduced" if grew else "not reproduced",
+                     f"best S-SGD epochs: G={small}: {show(s_small)}, G={large}: {show(s_large)} (cap {cap})",
+                     "linear scaling + warm-up, base rate searched with the same budget as SMA"))
+    ref, ref_name = best(names, small)
+    m_large, m_name = best(sma, large)
+    if ref is None or m_large is None:
+        rows.append(("SMA's epochs stay near small-batch training at large G", "not yet measured",
+                     f"small-batch reference {show(ref)}, SMA at G={large}: {show(m_large)}", "points not finished"))
+    else:
+        near = m_large <= NEAR_SMALL_BATCH * ref
+        rows.append(("SMA's epochs stay near small-batch training at large G", "reproduced" if near else "not reproduced",
+                     f"SMA at G={large}: {show(m_large)} epochs ({m_name}); small-batch reference (best method at "
+                     f"G={small}): {show(ref)} ({ref_name}); S-SGD at G={large}: {show(s_large)}",
+                     f"'near' means at most {NEAR_SMALL_BATCH}x the reference"))
+    ratios = [(row["sma"] / row["keras_global"], b, g) for (b, g), row in sorted(bench.items())]
+    if not ratios:
+        rows.append(("k learners of b cost about one model at k*b", "not yet measured", "–", "bench not run"))
+    else:
+        ok = all(r >= ABOUT_ONE_MODEL for r, _, _ in ratios)
+        rows.append(("k learners of b cost about one model at k*b",
+                     "reproduced on this CPU" if ok else "not reproduced on this CPU; GPU claim not testable here",
+                     ", ".join(f"b={b} G={g}: {r:.2f}x" for r, b, g in ratios),
+                     f"'about' means at least {ABOUT_ONE_MODEL}x Keras's images/s at batch k*b; the paper's argument is "
+                     "about GPUs that one small batch leaves idle, and there is no GPU here"))
+    tta = []
+    for g in points:
+        s_tta = [(stats[(n, g)]["tta"][0], n) for n in ssgd if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
+        m_tta = [(stats[(n, g)]["tta"][0], n) for n in sma if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
+        e_s, _ = best(ssgd, g)
+        e_m, _ = best(sma, g)
+        measured = min(s_tta)[0] / min(m_tta)[0] if s_tta and m_tta else None
+        projected = (e_s / e_m if e_s not in (None, float("inf")) and e_m not in (None, float("inf")) else None)
+        tta.append((g, measured, projected, e_s, e_m))
+    have = [t for t in tta if t[1] is not None or t[2] is not None]
+    if not have:
+        rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD", "not yet measured", "–", "points not finished"))
+    else:
+        text = "; ".join(f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) {harness.fmt(p)}"
+                         for g, m, p, _, _ in tta)
+        measured_ok = any(m is not None and m >= CLAIMED_SPEEDUP for _, m, _, _, _ in tta)
+        projected_ok = any(p is not None and p >= CLAIMED_SPEEDUP for _, _, p, _, _ in tta)
+        unreached = [g for g, m, p, e_s, e_m in tta if e_s == float("inf") and e_m not in (None, float("inf"))]
+        verdict_text = ("reproduced on this CPU" if measured_ok else "not reproduced on this CPU") + (
+            "; projected where half 2 holds: reproduced" if projected_ok or unreached else
+            "; projected where half 2 holds: not reproduced")
+        rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G", verdict_text,
+                     text + (f"; S-SGD never reached the target at G={unreached} while SMA did" if unreached else ""),
+                     "measured: median TTA of the best S-SGD over the best SMA series (training time on this loaded "
+                     "2-core CPU); projected: the epochs ratio, what TTA would be where k learners cost one model"))
+    return rows, tta
+
+
+def plot_tta(stats, cells, spec, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [c.series.name for c in cells]
+    for i, name in enumerate(dict.fromkeys(names)):
+        pts = sorted((g, s["tta"][0]) for (n, g), s in stats.items() if n == name and s and s["tta"][0] is not None)
+        if pts:
+            ax.plot([g for g, _ in pts], [t for _, t in pts], "o-", color=f"C{i}", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch G")
+    ax.set_ylabel(f"time to {spec.target:.0%} (s of training, this CPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_largest(states, spec, g, path):
+    """Accuracy against epochs at global batch G: each series' best trial (seed 0); SMA's learner 0 dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    i = 0
+    for (name, gg), st in states.items():
+        if gg != g or not st["final"]:
+            continue
+        run = next((r for r in st["final"].values() if r is not None), None)
+        if run is None:
+            continue
+        evals = run[1]
+        ax.plot([e["epoch"] for e in evals], [e["accuracy"] for e in evals], "o-", color=f"C{i}", markersize=3,
+                label=f"{name} z" if st["cell"].series.method == "sma" else name)
+        if any("learner_accuracy" in e for e in evals):
+            ax.plot([e["epoch"] for e in evals], [e.get("learner_accuracy") for e in evals], "--", color=f"C{i}",
+                    linewidth=1, label=f"{name} learner 0")
+        i += 1
+    ax.axhline(spec.target, color="gray", linestyle=":", linewidth=1, label=f"target {spec.target:.0%}")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"global batch {g}: best trial of each series (seed 0)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_report(out, spec, cells, experiment, args):
+    states = {(c.series.name, c.global_batch): cell_state(out, spec, c) for c in cells}
+    stats = {key: cell_stats(spec, st) for key, st in states.items()}
+    points = sorted(spec.global_batches)
+    bench = load_bench(out)
+    rows, tta = verdict(spec, cells, stats, bench)
+    series = list({c.series.name: c.series for c in cells}.values())   # in the config's order
+    with open(os.path.join(out, "machine.json")) as f:
+        machine = json.load(f)
+
+    def grid_table(what):
+        return harness.markdown_table(["series"] + [f"G={g}" for g in points], [
+            [_series_label(s)] + [_cell_text(stats.get((s.name, g)), spec.epochs, what)
+                                  if (s.name, g) in stats else "–" for g in points] for s in series])
+
+    best_rows = [[_series_label(s)] + [(stats[(s.name, g)]["setting"] if stats.get((s.name, g)) else "–")
+                                       if (s.name, g) in stats else "–" for g in points] for s in series]
+    trial_rows = []
+    for (name, g), st in states.items():
+        for t in st["trials"]:
+            for seed, r in t["runs"].items():
+                if r is None:
+                    trial_rows.append([name, g, t["label"], harness.describe(t["point"]), seed, "not run yet", "", "", ""])
+                    continue
+                s = r[0]
+                trial_rows.append([name, g, t["label"] + (" **best**" if st["best"] is t else ""),
+                                   harness.describe(t["point"]), seed,
+                                   s["epochs_to_target"] if s["reached"] else ("collapsed" if s["collapsed"] else "n/r"),
+                                   f"{s['best_accuracy']:.4f}", s["epochs_run"], harness.fmt(s["tta"])])
+    budgets = study.searched_budgets(cells)
+    budget_line = (f"Every searched series got {spec.budget} trials at every point "
+                   f"({', '.join(sorted({str(v) for v in budgets.values()}))} found in the plan; "
+                   f"{len(budgets)} searched cells), each on search seed(s) {spec.search_seeds}; the best trial "
+                   f"(fewest median epochs to target, then time) ran on seeds {spec.seeds}.")
+
+    why = []
+    for (name, g), st in states.items():
+        if st["cell"].series.method != "sma" or not st["final"]:
+            continue
+        run = next((r for r in st["final"].values() if r is not None), None)
+        if run is None:
+            continue
+        evals = run[1]
+        last = evals[-1]
+        peak = max(evals, key=lambda e: e.get("learner_accuracy") or 0)
+        why.append([name, g, st["cell"].k, harness.describe(st["best"]["point"]), len(evals),
+                    f"{last['accuracy']:.4f}", harness.fmt(last.get("learner_accuracy"), 4),
+                    harness.fmt(last.get("learner_distance"), 3), harness.fmt(peak.get("learner_accuracy"), 4),
+                    "yes" if run[2].get("collapsed") else "no"])
+    half2 = [[f"b={b}", g, g // b, f"{row['sma']:.0f}", f"{row['keras_global']:.0f}", f"{row['keras_small']:.0f}",
+              f"{row['sma'] / row['keras_global']:.2f}", f"{row['sma'] / row['keras_small']:.2f}",
+              f"{row['update_share']:.0%}"] for (b, g), row in sorted(bench.items())]
+    bn_rows, bn_note = [], "not run yet"
+    bn_files = sorted(glob.glob(os.path.join(out, "runs", "bn", "*.json")))
+    if bn_files:
+        with open(bn_files[0]) as f:
+            bn = json.load(f)
+        for e in bn["evaluations"]:
+            bn_rows.append([e["epoch"], f"{e['accuracy']:.4f}", harness.fmt(e.get("accuracy_bn_recomputed"), 4),
+                            harness.fmt(e.get("bn_recompute_time"), 2), f"{e['epoch_time']:.1f}"])
+        diffs = [e["accuracy_bn_recomputed"] - e["accuracy"] for e in bn["evaluations"] if "accuracy_bn_recomputed" in e]
+        cfg = bn["config"]
+        bn_note = (f"LeNet with BatchNorm, SMA with k={bn['num_learners']} learners of {cfg['batch_size']}, "
+                   f"lr {cfg['learning_rate']['base']}, alpha 1/k, {len(bn['evaluations'])} epochs, seed 0; "
+                   f"recomputed on {cfg['batchnorm_batches']} training batches of {cfg['eval_batch_size']}. "
+                   f"Recomputed minus averaged accuracy: mean {sum(diffs) / len(diffs):+.4f}, "
+                   f"min {min(diffs):+.4f}, max {max(diffs):+.4f}." if diffs else "")
+    tta_rows = [[g, harness.fmt(m), harness.fmt(p), "not reached" if e_s == float("inf") else harness.fmt(e_s, None),
+                 "not reached" if e_m == float("inf") else harness.fmt(e_m, None)] for g, m, p, e_s, e_m in tta]
+
+    # Plots from what has finished.
+    epochs_series = {}
+    for s in series:
+        pts = [(g, stats[(s.name, g)]["epochs"][0]) for g in points if stats.get((s.name, g))]
+        if pts:
+            epochs_series[_series_label(s)] = pts
+    if epochs_series:
+        harness.plot_sweep(epochs_series, spec.epochs, spec.target, os.path.join(out, "epochs_vs_G.png"))
+    plot_tta(stats, cells, spec, os.path.join(out, "tta_vs_G.png"))
+    largest = max(points)
+    plot_largest(states, spec, largest, os.path.join(out, "accuracy_vs_epochs_largest_G.png"))
+
+    finished = sum(1 for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None) + \
+        sum(1 for st in states.values() for s, r in st["final"].items() if r is not None and
+            (st["best"] is None or s not in st["best"]["runs"]))
+    planned = study.count_runs(spec, cells)
+    verdict_md = harness.markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
+                                        [list(r) for r in rows])
+    software = next((json.load(open(p)).get("environment", {}) for p in
+                     glob.glob(os.path.join(out, "runs", "*", "*", "*.json"))[:1]), {})
+    parts = [
+        f"# Reproduction study: {experiment.get('name', '')}", "",
+        f"- command: `{machine.get('command')}`",
+        f"- config: `{args.config}` (copied to `config.yaml`)",
+        f"- machine: {machine['cpu']}, {machine['cpu_count']} CPU cores, {machine['platform']}, Python {machine['python']}",
+        f"- software: TensorFlow {software.get('tensorflow', '?')}, Keras {software.get('keras', '?')}",
+        f"- started: {machine['date']}; report written {harness.machine_info()['date']}",
+        f"- progress: {finished} of {planned} training runs finished" +
+        ("" if finished >= planned else " (**partial**: resume with the command above plus `--resume`)"),
+        "- every run is its own process, one at a time; each run's config, log and results are under `runs/`; "
+        "the load average at each run's start is in its log.", "",
+        "## Verdict", "", verdict_md, "",
+        "## Half 1: statistical efficiency (epochs to target)", "",
+        f"Target {spec.target:.0%} test accuracy on the whole test split, at most {spec.epochs} epochs per run. "
+        + budget_line + " Cells: median [min–max] epochs over the seeds (reached/seeds); a series that does not "
+        "reach shows its best accuracy. Runs at chance accuracy for 2 epochs after the first stop as collapsed.", "",
+        grid_table("epochs"), "", "Best setting per point:", "",
+        harness.markdown_table(["series"] + [f"G={g}" for g in points], best_rows), "",
+        "![epochs to target against G](epochs_vs_G.png)", "",
+        f"![accuracy against epochs at G={largest}](accuracy_vs_epochs_largest_G.png)", "",
+        "### Why: z against its learners (SMA, best trial, first seed, last epoch)", "",
+        harness.markdown_table(["series", "G", "k", "setting", "epochs", "z accuracy", "learner 0 accuracy",
+                                "mean distance to z", "best learner 0 accuracy", "collapsed"], why) if why else "not run yet",
+        "", "## Half 2: hardware efficiency (this CPU)", "",
+        ("Images/s of fused SMA with k learners of b against one plain Keras model at batch k*b and at batch b, "
+         "measured side by side in one process, interleaved rounds, median (tools/bench_throughput.py, "
+         "random MNIST-shaped images; `bench/` holds each command and log). Update share: the SMA update's "
+         "share of an iteration.") if half2 else "not run yet", "",
+        harness.markdown_table(["series", "G", "k", "SMA images/s", "Keras at G", "Keras at b", "SMA / Keras(G)",
+                                "SMA / Keras(b)", "update share"], half2) if half2 else "", "",
+        "## The product: time to accuracy", "",
+        "Median training time to target (evaluation excluded) on this CPU, per series and point:", "",
+        grid_table("tta"), "",
+        "S-SGD over SMA at equal G (above 1: SMA sooner). Measured: the best S-SGD's median TTA over the best SMA "
+        "series'. Projected (**a projection, not a measurement**): the ratio of epochs, which is the TTA ratio "
+        "on hardware where k learners of b cost what one model at k*b costs (half 2 holding).", "",
+        harness.markdown_table(["G", "measured TTA ratio", "projected (epochs) ratio", "best S-SGD epochs",
+                                "best SMA epochs"], tta_rows), "",
+        "![TTA against G](tta_vs_G.png)", "",
+        "## BatchNorm: averaged against recomputed statistics", "", bn_note, "",
+        harness.markdown_table(["epoch", "z accuracy (averaged statistics)", "z accuracy (recomputed)",
+                                "recompute time (s)", "epoch time (s)"], bn_rows) if bn_rows else "", "",
+        "## Fidelity of the baselines", "", FIDELITY, "",
+        "## Search trials", "",
+        harness.markdown_table(["series", "G", "trial", "setting", "seed", "epochs to target", "best accuracy",
+                                "epochs run", "TTA (s)"], trial_rows), ""]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(parts) + "\n")
+    summary = dict(machine=machine, finished_runs=finished, planned_runs=planned,
+                   cells={f"{n}@{g}": s for (n, g), s in stats.items()},
+                   verdict=[dict(zip(("claim", "verdict", "numbers", "reason"), r)) for r in rows],
+                   tta=[dict(zip(("global_batch", "measured_ratio", "projected_ratio", "ssgd_epochs", "sma_epochs"),
+                                 (g, m, p, None if e_s == float("inf") else e_s, None if e_m == float("inf") else e_m)))
+                        for g, m, p, e_s, e_m in tta],
+                   bench={f"b{b}@{g}": row for (b, g), row in bench.items()})
+    harness.write_json(os.path.join(out, "summary.json"), summary)
+    return dict(verdict_markdown=verdict_md, summary=summary)
