@@ -118,7 +118,7 @@ def main(argv=None):
         @tf.function(autograph=False)
         def update_only():
             for d in range(len(devices)):
-                totals, _ = engine.update_learners(d, grads[d], lr, [1.0] * len(grads[d]))
+                totals = engine.update_learners(d, grads[d], lr, [1.0] * len(grads[d]))
                 engine.update_center(d, totals, lr)
             return lr
         xb, yb, mb = next(iter(train_batches(data.train, k * b, 0, shuffle=False)))

@@ -144,8 +144,18 @@ class _Run:
         if self.stop_signals is not None and self.stop_signals.received is not None:
             if segment_start is not None:
                 p.epoch_time += time.perf_counter() - segment_start
-            path = self.checkpoints.save(p, self.results) if self.checkpoints is not None else None
+            path = self._save(p) if self.checkpoints is not None else None
             raise TrainingInterrupted(self.stop_signals.received, path, p.iteration, p.epoch + 1)
+
+    def _save(self, p):
+        """Checkpoints P after making sure everything is finite: a checkpoint is always a good one.
+        (The step checks the loss and z; a learner that went non-finite in the step just done would
+        only show in its next loss.)"""
+        what = self.engine.non_finite()
+        if what:
+            epoch, position = (p.epoch + 1, p.position) if p.position else (p.epoch, self.per_epoch)
+            raise _NonFinite(what, p.iteration, epoch, position, self.per_epoch)
+        return self.checkpoints.save(p, self.results)
 
     def epochs(self, p):
         engine, schedule = self.engine, self.schedule
@@ -176,12 +186,12 @@ class _Run:
                         and not (last_of_epoch and self.checkpoints.at_epoch_end)):
                     # Checkpoint writing is not training time.
                     p.epoch_time += time.perf_counter() - segment_start
-                    self.checkpoints.save(p, self.results)
+                    self._save(p)
                     segment_start = time.perf_counter()
             p.epoch_time += time.perf_counter() - segment_start
             self._end_epoch(p, epoch)
             if self.checkpoints is not None and (self.checkpoints.at_epoch_end or p.finished):
-                self.checkpoints.save(p, self.results)
+                self._save(p)
             if not p.finished and epoch < self.epochs_total:   # a finished run just ends
                 self._stop_if_asked(p)
 
