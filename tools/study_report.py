@@ -92,9 +92,21 @@ def cell_stats(spec, state):
         setting=harness.describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
 
 
-def _cell_text(stats, cap, what="epochs"):
+def search_progress(spec, state):
+    """ "search 2/4 done: best so far ..." for a cell whose search has not finished, else None."""
+    done = [t for t in state["trials"] if all(r is not None for r in t["runs"].values())]
+    if state["searched"] or not done:
+        return None
+    best = done[harness.best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in done], by="epochs")]
+    s = best["runs"][spec.search_seeds[0]][0]
+    so_far = (f"{s['epochs_to_target']} epochs" if s["reached"] else
+              f"not reached (best acc {s['best_accuracy']:.4f})")
+    return f"searching, {len(done)}/{len(state['trials'])} trials done: best so far {so_far}"
+
+
+def _cell_text(stats, cap, what="epochs", progress=None):
     if stats is None:
-        return "not run yet"
+        return progress or "not run yet"
     med, lo, hi = stats[what]
     n = f"{stats['reached']}/{stats['seeds']}" + ("" if stats["complete"] else f" of {stats['of']} seeds")
     if med is None:
@@ -268,7 +280,8 @@ def build_report(out, spec, cells, experiment, args):
 
     def grid_table(what):
         return harness.markdown_table(["series"] + [f"G={g}" for g in points], [
-            [_series_label(s)] + [_cell_text(stats.get((s.name, g)), spec.epochs, what)
+            [_series_label(s)] + [_cell_text(stats.get((s.name, g)), spec.epochs, what,
+                                             search_progress(spec, states[(s.name, g)]) if what == "epochs" else None)
                                   if (s.name, g) in stats else "–" for g in points] for s in series])
 
     best_rows = [[_series_label(s)] + [(stats[(s.name, g)]["setting"] if stats.get((s.name, g)) else "–")
@@ -307,7 +320,7 @@ def build_report(out, spec, cells, experiment, args):
                     "yes" if run[2].get("collapsed") else "no"])
     half2 = [[f"b={b}", g, g // b, f"{row['sma']:.0f}", f"{row['keras_global']:.0f}", f"{row['keras_small']:.0f}",
               f"{row['sma'] / row['keras_global']:.2f}", f"{row['sma'] / row['keras_small']:.2f}",
-              f"{row['update_share']:.0%}"] for (b, g), row in sorted(bench.items())]
+              f"{row['update_share']:.0%}", f"{row['spread']:.0%}"] for (b, g), row in sorted(bench.items())]
     bn_rows, bn_note = [], "not run yet"
     bn_files = sorted(glob.glob(os.path.join(out, "runs", "bn", "*.json")))
     if bn_files:
@@ -373,9 +386,11 @@ def build_report(out, spec, cells, experiment, args):
         ("Images/s of fused SMA with k learners of b against one plain Keras model at batch k*b and at batch b, "
          "measured side by side in one process, interleaved rounds, median (tools/bench_throughput.py, "
          "random MNIST-shaped images; `bench/` holds each command and log). Update share: the SMA update's "
-         "share of an iteration.") if half2 else "not run yet", "",
+         "share of an iteration; spread: (max-min)/median over the rounds of the noisiest configuration "
+         "of that bench run, a measure of how busy the machine was.") if half2 else "not run yet", "",
         harness.markdown_table(["series", "G", "k", "SMA images/s", "Keras at G", "Keras at b", "SMA / Keras(G)",
-                                "SMA / Keras(b)", "update share"], half2) if half2 else "", "",
+                                "SMA / Keras(b)", "update share", "spread of that bench run"], half2)
+        if half2 else "", "",
         "## The product: time to accuracy", "",
         "Median training time to target (evaluation excluded) on this CPU, per series and point:", "",
         grid_table("tta"), "",
