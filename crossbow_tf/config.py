@@ -58,6 +58,15 @@ class AutotuneConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    """Where and when a run is checkpointed (crossbow_tf.engine.checkpoint); off without a dir."""
+    dir: typing.Optional[str] = None                 # --checkpoint-dir
+    every_iterations: typing.Optional[int] = None    # also every N iterations
+    at_epoch_end: bool = True
+    max_to_keep: int = 3
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     name: str = "experiment"
     model: str = "lenet"
@@ -80,6 +89,9 @@ class ExperimentConfig:
     collapse_epochs: int = 2                 # stop when at chance this many epochs after the first (0: never)
     batchnorm_eval: str = "averaged"         # z's BatchNorm statistics: averaged | recomputed | both
     batchnorm_batches: int = 8               # training batches (of eval_batch_size) for "recomputed"
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    on_divergence: str = "stop"              # stop | rollback (to the last checkpoint, learning rate halved)
+    max_rollbacks: int = 3
 
 
 def _check_type(path, value, annotation):
@@ -199,6 +211,13 @@ def _validate(c):
     need(c.devices.cross_device_reduction in ("auto", "nccl", "one_device", "hierarchical_copy"),
          f"devices.cross_device_reduction: unknown {c.devices.cross_device_reduction!r}; "
          "choose auto, nccl, one_device or hierarchical_copy")
+    ck = c.checkpoint
+    need(ck.every_iterations is None or ck.every_iterations >= 1,
+         f"checkpoint.every_iterations: must be at least 1 or null, got {ck.every_iterations}")
+    need(ck.max_to_keep >= 1, f"checkpoint.max_to_keep: must be at least 1, got {ck.max_to_keep}")
+    need(c.on_divergence in ("stop", "rollback"),
+         f"on_divergence: unknown {c.on_divergence!r}; choose stop or rollback")
+    need(c.max_rollbacks >= 0, f"max_rollbacks: must not be negative, got {c.max_rollbacks}")
     return c
 
 

@@ -37,6 +37,19 @@ def format_problems(d):
     return problems
 
 
+def json_safe(value):
+    """VALUE with every non-finite float replaced by None (JSON has no NaN), containers copied."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():   # NumPy scalars
+        return json_safe(value.item())
+    return value
+
+
 def environment():
     import keras
     import tensorflow as tf
@@ -137,7 +150,7 @@ class RunResults:
 
     def save(self, path):
         """Writes the run atomically (a crash never leaves half a file)."""
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+        atomic_write_text(path, json.dumps(json_safe(self.to_dict()), indent=1, allow_nan=False))   # null, never NaN
 
     @classmethod
     def load(cls, path):

@@ -5,10 +5,11 @@ experiment, shipped inside the package; configs/lenet_mnist_embedded.yaml is the
 Every argument, the config and the output paths are validated before TensorFlow starts.
 """
 import os
+import shlex
 import sys
 
 from crossbow_tf import cli
-from crossbow_tf.errors import ConfigError, CrossbowError
+from crossbow_tf.errors import ConfigError, CrossbowError, TrainingDiverged, TrainingInterrupted
 
 DEFAULT_CONFIG_NAME = "lenet_mnist_embedded.yaml"
 
@@ -45,6 +46,13 @@ def parse_args(argv):
     p.add_argument("--check", action="store_true",
                    help="validate the config, the output paths and the data set's files, then exit 0 without training")
     cli.add_verbose_flag(p)
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="checkpoint the run in DIR (overrides checkpoint.dir; see checkpoint.every_iterations)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run checkpointed in the checkpoint directory (from the beginning if none)")
+    p.add_argument("--on-divergence", choices=("stop", "rollback"),
+                   help="on a NaN or infinity: stop (exit 3), or roll back to the last checkpoint with the "
+                        "learning rate halved, at most max_rollbacks times (overrides on_divergence)")
     return p.parse_args(argv)
 
 
@@ -60,6 +68,10 @@ def build_config(args):
             cfg[key] = value
     if args.logical_cpu_devices is not None:
         cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
+    if args.checkpoint_dir is not None:
+        cfg["checkpoint"]["dir"] = args.checkpoint_dir
+    if args.on_divergence is not None:
+        cfg["on_divergence"] = args.on_divergence
     try:
         built = config_lib.from_dict(cfg)
         config_lib.check_fits_data(built)
@@ -92,8 +104,10 @@ def check_data(cfg):
     return data
 
 
-def run(args, log=print):
+def run(args, log=print, stop_signals=None):
     cfg = build_config(args)
+    if args.resume and not cfg.checkpoint.dir:
+        raise CrossbowError("--resume: needs a checkpoint directory (--checkpoint-dir or checkpoint.dir)")
     check_outputs(args)
     cli.import_tensorflow(args.verbose)
     if args.check:
@@ -102,19 +116,40 @@ def run(args, log=print):
             f"test), {cfg.algorithm.name}, batch {cfg.batch_size} per learner, {cfg.epochs} epochs")
         return None
     from crossbow_tf.experiment import run_experiment
-    results = run_experiment(cfg, log=log)
+    try:
+        results = run_experiment(cfg, log=log, resume=args.resume, stop_signals=stop_signals)
+    except TrainingDiverged as e:
+        if args.results:   # the evaluations so far, and where and what diverged
+            cli.save_results(e.results, args.results, log)
+        raise
     if args.results:
         cli.save_results(results, args.results, log)
     return results
 
 
+def resume_command(argv):
+    """The command that continues the run ARGV started."""
+    return shlex.join(["python", "-m", "crossbow_tf.run", *argv] + ([] if "--resume" in argv else ["--resume"]))
+
+
 def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from crossbow_tf.engine.signals import StopSignals
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
     cli.quiet_tensorflow(args.verbose)
     try:
-        run(args)
+        with StopSignals() as stop_signals:
+            run(args, stop_signals=stop_signals)
     except CrossbowError as e:
         return cli.fail("crossbow_tf", e)
+    except TrainingInterrupted as e:
+        advice = f"; to continue: {resume_command(argv)}" if e.checkpoint else ""
+        print(f"crossbow_tf: {e}{advice}", file=sys.stderr)
+        return e.exit_code
+    except TrainingDiverged as e:
+        print(f"crossbow_tf: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("crossbow_tf: interrupted", file=sys.stderr)
         return 130

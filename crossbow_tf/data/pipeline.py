@@ -46,10 +46,12 @@ def input_options(threads=None):
 
 
 def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
-                  shuffle_buffer=None, deterministic=True, threads=None):
+                  shuffle_buffer=None, deterministic=True, threads=None, skip_iterations=0):
     """The iterations of one training epoch as (x, y, mask) with a leading dimension of k*b.
 
     The epoch's order is a shuffle seeded by (SEED, EPOCH): the same seed gives the same order.
+    SKIP_ITERATIONS leaves out the epoch's first iterations (a resumed run continues the same order
+    with the same augmentation; the skipped examples are not augmented).
     THREADS (default: half the cores) decode and augment in parallel on a private thread pool.
     """
     threads = threads or default_input_threads()
@@ -62,11 +64,14 @@ def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
     elif shuffle:
         buffer = shuffle_buffer or split.size
         ds = ds.shuffle(buffer, seed=epoch_seed, reshuffle_each_iteration=False)
+    skipped = skip_iterations * global_batch
+    if skipped:
+        ds = ds.skip(skipped)
     if map_fn is not None:
         if getattr(map_fn, "needs_seed", False):
             # Random augmentation draws from stateless ops seeded by (epoch seed, position in the
             # epoch), so parallel map calls cannot change which example gets which crop or flip.
-            positions = tf.data.Dataset.counter()
+            positions = tf.data.Dataset.counter(start=skipped)
             ds = tf.data.Dataset.zip((ds, positions)).map(
                 lambda example, i: map_fn(*example, tf.stack([tf.constant(epoch_seed, tf.int64), i])),
                 num_parallel_calls=threads, deterministic=deterministic)

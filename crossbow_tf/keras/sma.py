@@ -9,7 +9,9 @@ callbacks all see z without knowing about learners.
 import contextlib
 import math
 import os
+import tempfile
 import warnings
+import zipfile
 
 import keras
 import numpy as np
@@ -20,6 +22,7 @@ from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, SynchronousSG
 from crossbow_tf.distribute.strategy import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
 from crossbow_tf.engine.replicated import ReplicatedLearners
+from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
 from crossbow_tf.keras.structure import CompiledLoss, Packer, PackedModel, check_compiled_loss
 
@@ -406,13 +409,29 @@ class CrossbowTraining:
         return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
 
     def save_state(self, path):
-        np.savez(path, *[v.numpy() for v in self.state_variables()])
+        """Writes the learners and z to PATH atomically: a crash leaves the previous file or the new one."""
+        directory, name = os.path.split(os.path.abspath(path))
+        handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)   # cannot collide
+        try:
+            with os.fdopen(handle, "wb") as f:
+                np.savez(f, *[v.numpy() for v in self.state_variables()])
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
 
     def load_state(self, path):
         """Restores the learners and z saved by ``save_state`` if they belong to the model's current z."""
         variables = self.state_variables()
-        with np.load(path) as f:
-            arrays = [f[f"arr_{i}"] for i in range(len(f.files))]
+        try:
+            with np.load(path) as f:
+                arrays = [f[f"arr_{i}"] for i in range(len(f.files))]
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+            raise DamagedFile(f"{path}: damaged Crossbow learners' state ({type(e).__name__}: {e}); delete "
+                                  "it and the backup beside it to restart training from the beginning") from None
         if len(arrays) != len(variables) or any(a.shape != tuple(v.shape) for a, v in zip(arrays, variables)):
             warnings.warn(f"{path} does not match this model and strategy; learners restart from the model's weights")
             return False
@@ -437,9 +456,17 @@ class CrossbowTraining:
             return type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, **kwargs):
-        result = type(self.model).load_weights(self.model, filepath, **kwargs)
+        backup = os.path.abspath(str(filepath)) in self._backup_paths
+        try:
+            result = type(self.model).load_weights(self.model, filepath, **kwargs)
+        except Exception as e:
+            if not backup:
+                raise
+            raise DamagedFile(f"{filepath}: damaged BackupAndRestore backup ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); delete it to restart training "
+                                  "from the beginning") from None
         state = str(filepath) + STATE_SUFFIX
-        if os.path.abspath(str(filepath)) in self._backup_paths and os.path.exists(state):
+        if backup and os.path.exists(state):
             self.load_state(state)
         return result
 
