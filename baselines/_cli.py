@@ -6,12 +6,10 @@ A baseline reads the same experiment YAML as ``python -m crossbow_tf.run``; top-
 belong to tools and baselines (baselines.TOOL_SECTIONS: ``compare``, ``sweep``, ``tf_ssgd``) are set
 aside before crossbow_tf.config validates the rest, so one file can describe a whole comparison.
 """
-import argparse
-import os
 import sys
 
-
 from baselines import TOOL_SECTIONS
+from crossbow_tf import cli
 from crossbow_tf import config as config_lib
 from crossbow_tf.config import read_yaml  # noqa: F401  (tools import it from here too)
 from crossbow_tf.errors import ConfigError, CrossbowError
@@ -66,7 +64,7 @@ def parse_tf_ssgd_options(section):
 
 
 def parse_args(prog, description, argv):
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = cli.OneLineParser(prog=prog, description=description)
     p.add_argument("--config", required=True, help="YAML experiment (the same files crossbow_tf.run reads)")
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir)")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
@@ -77,11 +75,13 @@ def parse_args(prog, description, argv):
     p.add_argument("--seed", type=int, help="override the seed")
     p.add_argument("--results", help="write the run's results (JSON) to this new file")
     p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
+    cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
 
 def build(args, algorithm=None):
-    """(ExperimentConfig, tool sections) from ARGS; ALGORITHM, when given, replaces algorithm.name."""
+    """(ExperimentConfig, tool sections) from ARGS; ALGORITHM, when given, replaces algorithm.name
+    (an engine method, whose learners_per_device applies; without it, one replica per device)."""
     experiment, sections = split_sections(read_yaml(args.config))
     try:
         cfg = config_lib.to_dict(config_lib.from_dict(experiment))
@@ -100,29 +100,31 @@ def build(args, algorithm=None):
     if algorithm is not None:
         cfg["algorithm"]["name"] = algorithm
     try:
-        return config_lib.from_dict(cfg), sections
+        built = config_lib.from_dict(cfg)
+        config_lib.check_fits_data(built, learners=algorithm is not None)
     except ConfigError as e:
         raise ConfigError(f"command line: {e}") from None
+    cli.import_tensorflow(getattr(args, "verbose", False))   # validated: now TensorFlow may start
+    return built, sections
 
 
 def check_results_path(args):
-    if args.results and os.path.exists(args.results) and not args.force:
-        raise CrossbowError(f"{args.results}: results file exists; choose a new name or pass --force")
+    if args.results:
+        from crossbow_tf.files import check_writable
+        check_writable(args.results, force=args.force, what="results file")
 
 
 def main(prog, description, run, argv=None):
     """Runs RUN(args) and turns user errors into one line and exit code 2."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TensorFlow's start-up chatter out of the log
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
+    cli.quiet_tensorflow(args.verbose)
     try:
         check_results_path(args)
         results = run(args)
         if args.results:
-            results.save(args.results)
-            print(f"results written to {args.results}", flush=True)
+            cli.save_results(results, args.results, lambda line: print(line, flush=True))
     except CrossbowError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail(prog, e)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

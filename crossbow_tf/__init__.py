@@ -20,9 +20,10 @@ _LAZY = {
     "CrossbowStrategy": ("crossbow_tf.distribute.strategy", "CrossbowStrategy"),
     "use_sma": ("crossbow_tf.keras.sma", "use_sma"),
     "keras": ("crossbow_tf.keras", None),
+    "data": ("crossbow_tf.data", None),   # crossbow_tf.data.load_embedded_mnist(): the offline digits
 }
 
-__all__ = ["CrossbowStrategy", "use_sma", "keras"]
+__all__ = ["CrossbowStrategy", "use_sma", "keras", "data"]
 
 
 def __getattr__(name):

@@ -1,11 +1,23 @@
 """Typed, validated experiment configuration, read from YAML with PyYAML's safe loader."""
 import dataclasses
+import math
 import os
+import re
 import typing
 
 import yaml
 
-from crossbow_tf.errors import ConfigError
+from crossbow_tf.errors import ConfigError, ConfigTypeError
+
+# Seeds go to NumPy's legacy seeding (keras.utils.set_random_seed), which takes [0, 2**32).
+MAX_SEED = 2**32 - 1
+# Each logical CPU device has its own thread pools and copies of z; beyond this it is a typo.
+MAX_LOGICAL_CPU_DEVICES = 64
+# Every learner holds its own copy of the model and its velocity on the device; beyond this it is a typo.
+MAX_LEARNERS_PER_DEVICE = 1024
+# Training examples of the data sets whose size is fixed, to refuse an iteration larger than the
+# training set before anything is loaded (other data sets are checked once loaded).
+KNOWN_TRAIN_SIZES = {"mnist_embedded": 4000, "mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000, "cifar100": 50000}
 
 @dataclasses.dataclass
 class DataConfig:
@@ -46,6 +58,15 @@ class AutotuneConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    """Where and when a run is checkpointed (crossbow_tf.engine.checkpoint); off without a dir."""
+    dir: typing.Optional[str] = None                 # --checkpoint-dir
+    every_iterations: typing.Optional[int] = None    # also every N iterations
+    at_epoch_end: bool = True
+    max_to_keep: int = 3
+
+
+@dataclasses.dataclass
 class ExperimentConfig:
     name: str = "experiment"
     model: str = "lenet"
@@ -68,6 +89,9 @@ class ExperimentConfig:
     collapse_epochs: int = 2                 # stop when at chance this many epochs after the first (0: never)
     batchnorm_eval: str = "averaged"         # z's BatchNorm statistics: averaged | recomputed | both
     batchnorm_batches: int = 8               # training batches (of eval_batch_size) for "recomputed"
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    on_divergence: str = "stop"              # stop | rollback (to the last checkpoint, learning rate halved)
+    max_rollbacks: int = 3
 
 
 def _check_type(path, value, annotation):
@@ -78,35 +102,40 @@ def _check_type(path, value, annotation):
         for option in args:
             try:
                 return _check_type(path, value, option)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigTypeError as e:
+                errors.append(e)   # a value of the right type but out of range says so below
         names = " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
-        raise ConfigError(f"{path}: expected {names}, got {value!r}")
+        raise ConfigTypeError(f"{path}: expected {names}, got {value!r}")
     if annotation is type(None):
         if value is not None:
-            raise ConfigError(f"{path}: expected null, got {value!r}")
+            raise ConfigTypeError(f"{path}: expected null, got {value!r}")
         return None
     if origin in (list, typing.List):
         if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigTypeError(f"{path}: expected a list, got {value!r}")
         return [_check_type(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(annotation):
         return _build(annotation, value, path)
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
+            raise ConfigTypeError(f"{path}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is int:
+        # 1e6 is how people write a million; an integral float is taken as the integer it is.
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigTypeError(f"{path}: expected an integer, got {value!r}")
         return value
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+            raise ConfigTypeError(f"{path}: expected true or false, got {value!r}")
         return value
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
+            raise ConfigTypeError(f"{path}: expected a string, got {value!r}")
         return value
     raise TypeError(annotation)
 
@@ -115,7 +144,7 @@ def _build(cls, mapping, path):
     if mapping is None:
         mapping = {}
     if not isinstance(mapping, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {mapping!r}")
+        raise ConfigTypeError(f"{path or 'config'}: expected a mapping, got {mapping!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(mapping) - fields)
@@ -162,41 +191,119 @@ def _validate(c):
         need(0 <= value < 1, f"algorithm.{name}: must be in [0, 1), got {value}")
     need(c.algorithm.weight_decay >= 0, "algorithm.weight_decay: must not be negative")
     need(c.algorithm.alpha is None or 0 < c.algorithm.alpha <= 1,
-         f"algorithm.alpha: must be in (0, 1] or null, got {c.algorithm.alpha}")
+         f"algorithm.alpha: must be in (0, 1] or null (1/k), got {c.algorithm.alpha}"
+         + ("; alpha 0 never moves z: the learners would train apart and z stay at its initial weights"
+            if c.algorithm.alpha == 0 else ""))
+    need(0 <= c.seed <= MAX_SEED, f"seed: must be in [0, {MAX_SEED}], got {c.seed}")
     need(c.target_accuracy is None or 0 < c.target_accuracy <= 1,
          f"target_accuracy: must be in (0, 1], got {c.target_accuracy}")
     need(c.collapse_epochs >= 0, f"collapse_epochs: must not be negative (0 turns the check off), got {c.collapse_epochs}")
     need(c.batchnorm_eval in ("averaged", "recomputed", "both"),
          f"batchnorm_eval: unknown {c.batchnorm_eval!r}; choose averaged, recomputed or both")
     need(c.batchnorm_batches >= 1, f"batchnorm_batches: must be at least 1, got {c.batchnorm_batches}")
-    need(c.devices.logical_cpu is None or c.devices.logical_cpu >= 1,
-         f"devices.logical_cpu: must be at least 1, got {c.devices.logical_cpu}")
+    need(c.devices.logical_cpu is None or 1 <= c.devices.logical_cpu <= MAX_LOGICAL_CPU_DEVICES,
+         f"devices.logical_cpu: must be in [1, {MAX_LOGICAL_CPU_DEVICES}], got {c.devices.logical_cpu}")
+    need(c.learners_per_device == "auto" or c.learners_per_device <= MAX_LEARNERS_PER_DEVICE,
+         f"learners_per_device: at most {MAX_LEARNERS_PER_DEVICE}, got {c.learners_per_device}")
+    need(t.max_learners_per_device <= MAX_LEARNERS_PER_DEVICE,
+         f"autotune.max_learners_per_device: at most {MAX_LEARNERS_PER_DEVICE}, got {t.max_learners_per_device}")
+
     need(c.devices.cross_device_reduction in ("auto", "nccl", "one_device", "hierarchical_copy"),
          f"devices.cross_device_reduction: unknown {c.devices.cross_device_reduction!r}; "
          "choose auto, nccl, one_device or hierarchical_copy")
+    ck = c.checkpoint
+    need(ck.every_iterations is None or ck.every_iterations >= 1,
+         f"checkpoint.every_iterations: must be at least 1 or null, got {ck.every_iterations}")
+    need(ck.max_to_keep >= 1, f"checkpoint.max_to_keep: must be at least 1, got {ck.max_to_keep}")
+    need(c.on_divergence in ("stop", "rollback"),
+         f"on_divergence: unknown {c.on_divergence!r}; choose stop or rollback")
+    need(c.max_rollbacks >= 0, f"max_rollbacks: must not be negative, got {c.max_rollbacks}")
     return c
 
 
-# Top-level sections that belong to tools/ and baselines/ (read by them, set aside here), so that
-# one YAML file can describe an experiment and its comparison.
+def check_fits_data(c, learners=True, train_size=None, devices=None):
+    """Raises ConfigError when one iteration of C takes more examples than the training set holds
+    (an error, not an out-of-memory kill hours later). LEARNERS: whether learners_per_device applies
+    (engine methods; the stock baseline has one replica per device). TRAIN_SIZE and DEVICES default
+    to what is known before anything is loaded (KNOWN_TRAIN_SIZES; the logical CPU split, else 1)."""
+    train_size = train_size if train_size is not None else KNOWN_TRAIN_SIZES.get(c.data.name)
+    if train_size is None:
+        return
+    per_device = c.learners_per_device if learners and c.learners_per_device != "auto" else 1
+    replicas = (devices or c.devices.logical_cpu or 1) * per_device
+    if replicas * c.batch_size > train_size:
+        raise ConfigError(
+            f"batch_size: {replicas} {'learner' if learners else 'replica'}(s) x batch {c.batch_size} = "
+            f"{replicas * c.batch_size} examples per iteration, more than the {train_size} training "
+            f"examples of {c.data.name}")
+
+
+# Top-level sections that belong to tools/ and baselines/: one YAML file can describe an experiment
+# and its comparison. They split them off (baselines/_cli.py) before validating the experiment; an
+# experiment given to crossbow_tf.run must not hold them, since it would silently not use them.
 TOOL_SECTIONS = ("compare", "sweep", "tf_ssgd")
+SECTION_READERS = {"compare": "tools/compare.py", "sweep": "tools/sweep.py and tools/compare.py",
+                   "tf_ssgd": "python -m baselines.tf_ssgd"}
 
 
 def from_dict(mapping):
+    """The validated ExperimentConfig of MAPPING (no tool sections); raises ConfigError naming the key."""
     if isinstance(mapping, dict):
-        mapping = {k: v for k, v in mapping.items() if k not in TOOL_SECTIONS}
+        for name in TOOL_SECTIONS:
+            if name in mapping:
+                raise ConfigError(f"{name}: this section is read by {SECTION_READERS[name]}, not by "
+                                  "crossbow_tf.run; run it with that tool or remove the section")
     return _validate(_build(ExperimentConfig, mapping, ""))
 
 
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing duplicate keys (the last one would silently win) and reading
+    1e6 and 1.0e-3 as numbers (YAML 1.1 needs a dot and a signed exponent: 1.0e+6)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+StrictLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"""),
+    list("-+0123456789."))
+
+
+def parse_yaml(text):
+    """The document in TEXT, read with StrictLoader."""
+    return yaml.load(text, Loader=StrictLoader)
+
+
+def _yaml_problem(error):
+    """One line for a YAML error: what is wrong and where."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(error).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
 def read_yaml(path):
-    """The mapping in YAML file PATH (PyYAML's safe loader); ConfigError names the problem."""
+    """The mapping in YAML file PATH (StrictLoader: safe, no duplicate keys); ConfigError names the problem."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: config file not found")
     try:
-        with open(path) as f:
-            mapping = yaml.safe_load(f)
+        with open(path, encoding="utf-8") as f:
+            mapping = parse_yaml(f.read())
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(e)})") from None
     if mapping is None:
         mapping = {}
     if not isinstance(mapping, dict):

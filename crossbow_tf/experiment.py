@@ -1,10 +1,12 @@
 """Runs one experiment configuration end to end: data, model, strategy, engine, training."""
 import dataclasses
+import os
 import time
 
 from crossbow_tf.algorithms import ALGORITHMS
 from crossbow_tf.distribute import CrossbowStrategy
 from crossbow_tf.distribute.devices import default_devices, split_cpu, start_cluster
+from crossbow_tf.errors import ConfigError
 
 
 def make_algorithm(cfg):
@@ -50,10 +52,12 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
         return build_model(cfg.model, data.input_shape, data.num_classes)
 
     t = cfg.autotune
+    # The tuner never tries more learners than one iteration's examples the training set holds.
+    max_learners = max(1, min(t.max_learners_per_device, data.train.size // (len(devices) * cfg.batch_size)))
     log(f"auto-tuning learners per device on {len(devices)} device(s): adding one while images/s "
-        f"gain more than {t.threshold:.0%} (at most {t.max_learners_per_device})")
+        f"gain more than {t.threshold:.0%} (at most {max_learners})")
     tuning = autotune_learners(fresh_model, loss, algorithm, devices, data.train, cfg.batch_size,
-                               threshold=t.threshold, max_learners=t.max_learners_per_device,
+                               threshold=t.threshold, max_learners=max_learners,
                                warmup_iterations=t.warmup_iterations, measure_iterations=t.measure_iterations,
                                learning_rate=cfg.learning_rate.base,
                                cross_device_reduction=cfg.devices.cross_device_reduction,
@@ -62,44 +66,88 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
     return tuning
 
 
-def run_experiment(cfg, log=print, cluster=None):
+def find_resume_point(cfg, resume, log=print):
+    """(path, record) of the checkpoint CFG's run continues from, or None to start afresh.
+
+    Refuses (CheckpointError, one line) a directory holding another run's checkpoints without
+    RESUME, and a checkpoint whose configuration differs in anything that changes the trajectory.
+    """
+    from crossbow_tf.config import to_dict
+    from crossbow_tf.engine.checkpoint import newest_record, trajectory_differences
+    from crossbow_tf.errors import CheckpointError
+
+    directory = cfg.checkpoint.dir
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: checkpoint directory is a file")
+    newest = newest_record(directory, log=log) if os.path.isdir(directory) else None
+    if newest is None:
+        if resume:
+            log(f"no checkpoint in {directory} yet: starting from the beginning")
+        return None
+    path, record = newest
+    if not resume:
+        raise CheckpointError(f"{directory}: holds checkpoints of a run ({path}); pass --resume to continue it, "
+                              "or choose another checkpoint directory")
+    differences = trajectory_differences(record.get("config", {}), to_dict(cfg))
+    if differences:
+        raise CheckpointError(f"{path}: written with a different configuration: {'; '.join(differences)}")
+    return newest
+
+
+def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None):
     """Trains CFG's model with its algorithm; returns RunResults.
 
+    With cfg.checkpoint.dir the run is checkpointed there; RESUME continues it from the newest
+    checkpoint. STOP_SIGNALS (crossbow_tf.engine.signals.StopSignals) stops it cleanly.
     CLUSTER (crossbow_tf.distribute.cluster.Cluster) trains on several workers, each running this
-    same call: only the chief logs to LOG, the others log to stderr with a worker prefix."""
-    devices = make_devices(cfg, cluster)   # first: it fixes TensorFlow's device list
+    same call: only the chief logs to LOG, the others log to stderr with a worker prefix.
+    """
+    if cluster is not None and (cfg.checkpoint.dir or resume):
+        # The checkpoints hold one process's learners; several workers would need every worker's.
+        raise ConfigError("checkpoints (checkpoint.dir, --resume) are not supported on several workers yet")
+    if cfg.on_divergence == "rollback" and not cfg.checkpoint.dir:
+        raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: "
+                          "give checkpoint.dir (--checkpoint-dir)")
+    # Before the devices: a checkpoint that cannot be resumed is refused before TensorFlow starts work.
+    resume_point = find_resume_point(cfg, resume, log) if cfg.checkpoint.dir else None
+    devices = make_devices(cfg, cluster)   # first to touch the devices: it fixes TensorFlow's device list
     if cluster is not None:
         log = cluster.log_function(log)
         with cluster.guard():
-            return _run(cfg, devices, log, cluster)
-    return _run(cfg, devices, log, None)
+            return _run(cfg, devices, log, resume_point, stop_signals, cluster)
+    return _run(cfg, devices, log, resume_point, stop_signals, None)
 
 
-def _run(cfg, devices, log, cluster):
+def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     import keras
 
-    from crossbow_tf.config import to_dict
+    from crossbow_tf.config import check_fits_data, to_dict
     from crossbow_tf.data import load_dataset
     from crossbow_tf.data.pipeline import iterations_per_epoch
     from crossbow_tf.engine.core import Engine
     from crossbow_tf.engine.schedule import StepSchedule
+    from crossbow_tf.engine.checkpoint import Checkpoints
     from crossbow_tf.engine.trainer import train
     from crossbow_tf.models import build_model
     from crossbow_tf.results import RunResults
 
     data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    check_fits_data(cfg, learners=True, train_size=data.train.size, devices=len(devices))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
     engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners)   # the tuner measures the Engine that will train
-    tuning = None
-    if cfg.learners_per_device == "auto":
+    tuning, learners_per_device = None, None
+    if resume_point is not None:
+        learners_per_device = resume_point[1]["learners_per_device"]   # the tuner's choice is kept
+    elif cfg.learners_per_device == "auto":
         tuning = tune_learners(cfg, devices, data, loss, algorithm, log=log, **engine_kwargs)
         if cluster is not None:
             # Measured on each worker; every worker must build the same step: the smallest m.
             own, tuning.chosen = tuning.chosen, cluster.agree_min(tuning.chosen)
             log(f"learners per device agreed by the {cluster.num_workers} workers: m={tuning.chosen} "
                 f"(the smallest of their choices; this worker chose {own})")
-    strategy = make_strategy(cfg, devices, tuning.chosen if tuning else None, cluster)
+        learners_per_device = tuning.chosen
+    strategy = make_strategy(cfg, devices, learners_per_device, cluster)
     # Seeded after tuning, which draws random numbers: the run is the one a fixed m would give.
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
@@ -118,12 +166,24 @@ def _run(cfg, devices, log, cluster):
         results.extra["workers"] = cluster.num_workers
     if tuning is not None:
         results.extra["autotune"] = tuning.to_dict()
+    checkpoints, progress = None, None
+    if cfg.checkpoint.dir:
+        c = cfg.checkpoint
+        checkpoints = Checkpoints(c.dir, engine, every_iterations=c.every_iterations, at_epoch_end=c.at_epoch_end,
+                                  max_to_keep=c.max_to_keep)
+        checkpoints.base_record = dict(config=to_dict(cfg), learners_per_device=strategy.learners_per_device)
+    if resume_point is not None:
+        path, progress = checkpoints.restore_newest(results, log=log)
+        results.extra.setdefault("resumed_at_iterations", []).append(progress.iteration)
+        tuned = " (auto-tuned m kept)" if cfg.learners_per_device == "auto" else ""
+        log(f"resuming from {path}: iteration {progress.iteration}, {progress.epoch} epoch(s) done{tuned}")
     start = time.perf_counter()
     train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
           target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
           eval_batch_size=cfg.eval_batch_size, log=log, learner_diagnostics=cfg.learner_diagnostics,
           collapse_epochs=cfg.collapse_epochs, batchnorm_eval=cfg.batchnorm_eval,
-          batchnorm_batches_count=cfg.batchnorm_batches)
+          batchnorm_batches_count=cfg.batchnorm_batches, checkpoints=checkpoints, progress=progress,
+          on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals)
     results.extra["total_time"] = time.perf_counter() - start
     if cfg.target_accuracy is not None:
         log(results.target_summary(cfg.target_accuracy))

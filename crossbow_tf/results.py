@@ -10,6 +10,8 @@ import os
 import platform
 import time
 
+from crossbow_tf.files import atomic_write_text
+
 # Every evaluation holds at least these; tools may rely on them (more keys are allowed).
 EVALUATION_KEYS = ("epoch", "iteration", "examples", "wall_time", "accuracy", "loss")
 RUN_KEYS = ("method", "config", "environment", "evaluations")
@@ -33,6 +35,19 @@ def format_problems(d):
             problems.append(f"evaluations[{i}]: wall_time {e['wall_time']} goes backwards")
         previous = e["wall_time"]
     return problems
+
+
+def json_safe(value):
+    """VALUE with every non-finite float replaced by None (JSON has no NaN), containers copied."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():   # NumPy scalars
+        return json_safe(value.item())
+    return value
 
 
 def environment():
@@ -135,11 +150,7 @@ class RunResults:
 
     def save(self, path):
         """Writes the run atomically (a crash never leaves half a file)."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(json_safe(self.to_dict()), indent=1, allow_nan=False))   # null, never NaN
 
     @classmethod
     def load(cls, path):

@@ -1,17 +1,28 @@
 """python -m crossbow_tf.run [--config FILE] [--data-dir DIR] ...: train one experiment.
 
-Without arguments it trains Crossbow's LeNet with SMA on the embedded MNIST subset
-(configs/lenet_mnist_embedded.yaml). With TF_CONFIG set, every worker of the cluster runs the same
-command and they train together (docs/multiworker.md); only the chief writes results.
+Without arguments it trains Crossbow's LeNet with SMA on the embedded MNIST subset (the default
+experiment, shipped inside the package; configs/lenet_mnist_embedded.yaml is the same file).
+Every argument, the config and the output paths are validated before TensorFlow starts. With
+TF_CONFIG set, every worker of the cluster runs the same command and they train together
+(docs/multiworker.md); only the chief writes results.
 """
-import argparse
 import os
+import shlex
 import sys
 
-from crossbow_tf.errors import CrossbowError
+from crossbow_tf import cli
+from crossbow_tf.errors import ConfigError, CrossbowError, TrainingDiverged, TrainingInterrupted
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "lenet_mnist_embedded.yaml")
+DEFAULT_CONFIG_NAME = "lenet_mnist_embedded.yaml"
+
+
+def default_config_path():
+    """The default experiment inside the installed package (crossbow_tf/configs/)."""
+    from importlib import resources
+    return str(resources.files("crossbow_tf") / "configs" / DEFAULT_CONFIG_NAME)
+
+
+DEFAULT_CONFIG = default_config_path()
 
 
 def _int_or_word(text):
@@ -23,8 +34,9 @@ def _int_or_word(text):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m crossbow_tf.run", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML experiment (default: %(default)s)")
+    p = cli.OneLineParser(prog="python -m crossbow_tf.run", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help="YAML experiment (default: the packaged configs/lenet_mnist_embedded.yaml)")
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir)")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--learners-per-device", type=_int_or_word, metavar="M|auto",
@@ -36,10 +48,21 @@ def parse_args(argv):
     p.add_argument("--worker-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="with TF_CONFIG: how long any wait for another worker may take before every "
                         "worker stops with an error naming the missing one (default: %(default)s)")
+    p.add_argument("--check", action="store_true",
+                   help="validate the config, the output paths and the data set's files, then exit 0 without training")
+    cli.add_verbose_flag(p)
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="checkpoint the run in DIR (overrides checkpoint.dir; see checkpoint.every_iterations)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run checkpointed in the checkpoint directory (from the beginning if none)")
+    p.add_argument("--on-divergence", choices=("stop", "rollback"),
+                   help="on a NaN or infinity: stop (exit 3), or roll back to the last checkpoint with the "
+                        "learning rate halved, at most max_rollbacks times (overrides on_divergence)")
     return p.parse_args(argv)
 
 
 def build_config(args):
+    """The validated ExperimentConfig of ARGS (config file and overrides); no TensorFlow."""
     from crossbow_tf import config as config_lib
     cfg = config_lib.to_dict(config_lib.load_config(args.config))
     if args.data_dir is not None:
@@ -50,35 +73,96 @@ def build_config(args):
             cfg[key] = value
     if args.logical_cpu_devices is not None:
         cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
+    if args.checkpoint_dir is not None:
+        cfg["checkpoint"]["dir"] = args.checkpoint_dir
+    if args.on_divergence is not None:
+        cfg["on_divergence"] = args.on_divergence
     try:
-        return config_lib.from_dict(cfg)
+        built = config_lib.from_dict(cfg)
+        config_lib.check_fits_data(built)
+        return built
     except CrossbowError as e:
-        raise type(e)(f"command line: {e}") from None
+        raise type(e)(f"{args.config if _from_file_only(args) else 'command line'}: {e}") from None
 
 
-def run(args, log=print):
+def _from_file_only(args):
+    return all(v is None for v in (args.data_dir, args.epochs, args.learners_per_device, args.seed,
+                                   args.logical_cpu_devices))
+
+
+def check_outputs(args):
+    """Every file the run will write can be written (nothing is created)."""
+    from crossbow_tf.files import check_writable
+    if args.results:
+        check_writable(args.results, force=args.force, what="results file")
+
+
+def check_data(cfg):
+    """Loads CFG's data set (its files exist and parse) and checks that an iteration fits in it."""
+    from crossbow_tf import config as config_lib
+    from crossbow_tf.data import load_dataset
+    from crossbow_tf.models import MODELS
+    if cfg.model not in MODELS:
+        raise ConfigError(f"model: unknown model {cfg.model!r}; choose one of {', '.join(sorted(MODELS))}")
+    data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    config_lib.check_fits_data(cfg, train_size=data.train.size)
+    return data
+
+
+def run(args, log=print, stop_signals=None):
     cfg = build_config(args)
-    from crossbow_tf.distribute import cluster as cluster_lib
-    cluster = cluster_lib.from_environment(args.worker_timeout)
+    if args.resume and not cfg.checkpoint.dir:
+        raise CrossbowError("--resume: needs a checkpoint directory (--checkpoint-dir or checkpoint.dir)")
+    cluster = None
+    if not args.check and os.environ.get("TF_CONFIG", "").strip():
+        from crossbow_tf.distribute import cluster as cluster_lib
+        cli.import_tensorflow(args.verbose)   # the cluster resolver is TensorFlow's
+        cluster = cluster_lib.from_environment(args.worker_timeout)
     writes = cluster is None or cluster.is_chief   # only the chief writes files
-    if writes and args.results and os.path.exists(args.results) and not args.force:
-        raise CrossbowError(f"{args.results}: results file exists; choose a new name or pass --force")
+    if writes:
+        check_outputs(args)
+    cli.import_tensorflow(args.verbose)
+    if args.check:
+        data = check_data(cfg)
+        log(f"{args.config}: valid; {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} "
+            f"test), {cfg.algorithm.name}, batch {cfg.batch_size} per learner, {cfg.epochs} epochs")
+        return None
     from crossbow_tf.experiment import run_experiment
-    results = run_experiment(cfg, log=log, cluster=cluster)
+    try:
+        results = run_experiment(cfg, log=log, resume=args.resume, stop_signals=stop_signals, cluster=cluster)
+    except TrainingDiverged as e:
+        if writes and args.results:   # the evaluations so far, and where and what diverged
+            cli.save_results(e.results, args.results, log)
+        raise
     if writes and args.results:
-        results.save(args.results)
-        log(f"results written to {args.results}")
+        cli.save_results(results, args.results, log)
     return results
 
 
+def resume_command(argv):
+    """The command that continues the run ARGV started."""
+    return shlex.join(["python", "-m", "crossbow_tf.run", *argv] + ([] if "--resume" in argv else ["--resume"]))
+
+
 def main(argv=None):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # keep TensorFlow's start-up chatter out of the report
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from crossbow_tf.engine.signals import StopSignals
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    cli.quiet_tensorflow(args.verbose)
     try:
-        run(args)
+        with StopSignals() as stop_signals:
+            run(args, stop_signals=stop_signals)
     except CrossbowError as e:
-        print(f"crossbow_tf: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
+        code = cli.fail("crossbow_tf", e)
+        return getattr(e, "exit_code", code)   # a lost worker (ClusterError) is not bad input
+    except TrainingInterrupted as e:
+        advice = f"; to continue: {resume_command(argv)}" if e.checkpoint else ""
+        print(f"crossbow_tf: {e}{advice}", file=sys.stderr)
+        return e.exit_code
+    except TrainingDiverged as e:
+        print(f"crossbow_tf: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("crossbow_tf: interrupted", file=sys.stderr)
         return 130

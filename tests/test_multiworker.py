@@ -160,7 +160,7 @@ def test_a_lost_worker_stops_the_other_with_one_clear_error(failure):
         worker.kill()
         worker.communicate()
     errors = [line for line in err.splitlines() if line.startswith("crossbow_tf: error:")]
-    assert code == 3, err[-2000:]
+    assert code == 4, err[-2000:]
     assert len(errors) == 1, err[-2000:]
     reason = "does not answer (not running)" if failure == "dies" else "does not respond"
     assert f"lost worker 1 (worker:1 at 127.0.0.1:{ports[1]}) {reason}" in errors[0]
@@ -176,7 +176,7 @@ def test_a_worker_that_never_starts_stops_the_other(tmp_path):
                   configs[0], cwd=tmp_path)
     code, out, err = finish(chief, timeout=START_UP + TIMEOUT + 30)
     elapsed = time.monotonic() - begin
-    assert code == 3
+    assert code == 4
     assert f"crossbow_tf: error: worker 1 (worker:1 at 127.0.0.1:{ports[1]}) did not start within {TIMEOUT} s" in err
     assert "Traceback" not in err
     assert not (tmp_path / "run.json").exists()
@@ -225,3 +225,17 @@ def test_worker_timeout_must_be_positive(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", local_tf_configs(2)[0])
     with pytest.raises(CrossbowError, match="worker timeout must be a positive number of seconds, got 0"):
         cluster_lib.from_environment(timeout=0)
+
+
+def test_checkpoints_are_refused_on_several_workers(monkeypatch, tmp_path):
+    from crossbow_tf import config as config_lib
+    from crossbow_tf.distribute import cluster as cluster_lib
+    from crossbow_tf.errors import ConfigError
+    from crossbow_tf.experiment import run_experiment
+    from crossbow_tf.run import DEFAULT_CONFIG
+    monkeypatch.setenv("TF_CONFIG", local_tf_configs(2)[0])
+    cfg = config_lib.to_dict(config_lib.load_config(DEFAULT_CONFIG))
+    cfg["checkpoint"]["dir"] = str(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="not supported on several workers"):
+        run_experiment(config_lib.from_dict(cfg), cluster=cluster_lib.from_environment())
+    assert not (tmp_path / "ckpt").exists()

@@ -82,11 +82,15 @@ def test_unknown_model_is_a_config_error():
         build_model("nope", (28, 28, 1), 10)
 
 
-def test_config_with_tool_sections_loads(tmp_path):
-    """One YAML can hold an experiment and its comparison: the run ignores compare/sweep/tf_ssgd."""
+@pytest.mark.parametrize("section, reader", [("compare", "tools/compare.py"), ("sweep", "tools/sweep.py"),
+                                             ("tf_ssgd", "baselines.tf_ssgd")])
+def test_run_rejects_the_sections_of_other_tools(tmp_path, section, reader):
+    """A run would silently not use them: it says which tool reads the section (the tools and the
+    baselines split them off and accept the same file)."""
     path = tmp_path / "with_tools.yaml"
-    path.write_text("model: lenet\ncompare: {seeds: [0]}\nsweep: {}\ntf_ssgd: {}\n")
-    assert config_lib.load_config(str(path)).model == "lenet"
+    path.write_text(f"model: lenet\n{section}: {{}}\n")
+    with pytest.raises(ConfigError, match=f"{section}: this section is read by .*{reader}"):
+        config_lib.load_config(str(path))
     path.write_text("model: lenet\ncompares: {}\n")
     with pytest.raises(ConfigError, match="compares: unknown key"):
         config_lib.load_config(str(path))

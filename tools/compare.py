@@ -10,18 +10,18 @@ under DIR/runs/. See docs/harness.md.
     python tools/compare.py --config configs/lenet_mnist_cpu.yaml --out /tmp/smoke --budget 1 \\
         --seeds 0 --epochs 2 --no-sweep          # a smoke test of the whole pipeline
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/ is a folder of scripts, not a package
 import harness  # noqa: E402
 import study  # noqa: E402
+from crossbow_tf import cli  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python tools/compare.py", description=__doc__.splitlines()[0])
+    p = cli.OneLineParser(prog="python tools/compare.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML experiment with a compare: section")
     p.add_argument("--out", help="new report directory (default: reports/<experiment name>)")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
@@ -35,6 +35,7 @@ def parse_args(argv):
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sweep: section")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
 
@@ -75,6 +76,7 @@ def build(args):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    cli.quiet_tensorflow(args.verbose)   # the training processes inherit it
     try:
         experiment, sections, spec, plan, sweep_spec, sweep_plan = build(args)
         out = args.out or os.path.join("reports", experiment.get("name", "experiment"))
@@ -90,8 +92,9 @@ def main(argv=None):
             return 0
         harness.prepare_out_dir(out, force=args.force, resume=args.resume)
     except CrossbowError as e:
-        print(f"compare: error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail("compare", e)
+    except OSError as e:   # the report directory cannot be made
+        return cli.fail("compare", f"{e.filename}: {e.strerror}")
 
     harness.copy_config(args.config, out)
     machine = harness.machine_info()
@@ -130,8 +133,7 @@ def main(argv=None):
     if failed:
         parts += ["", "## Failed runs", "", harness.markdown_table(
             ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(parts) + "\n")
+    harness.atomic_write_text(os.path.join(out, "report.md"), "\n".join(parts) + "\n")
     harness.write_json(os.path.join(out, "summary.json"), summary)
     runner.say("\n" + harness.compare_markdown(spec, rows, outcome).split("### Search trials")[0].strip())
     runner.say(f"\nreport: {os.path.join(out, 'report.md')}")
@@ -142,4 +144,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except OSError as e:   # writing the report after the runs (disk full, directory gone)
+        sys.exit(cli.fail("compare", f"{e.filename}: {e.strerror}; the finished runs stay in the report's "
+                                   "runs/ directory: free the space and rerun with --resume to write the report"))

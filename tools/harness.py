@@ -33,6 +33,7 @@ from baselines._cli import parse_tf_ssgd_options, read_yaml, split_sections  # n
 from crossbow_tf.results import time_to_target  # noqa: E402,F401  (the one TTA rule, used here and by tests)
 from crossbow_tf import config as config_lib  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
+from crossbow_tf.files import atomic_write_text  # noqa: E402
 from crossbow_tf.results import format_problems  # noqa: E402
 
 MARKER = ".crossbow_report"   # marks a directory as ours, so --force never empties anyone else's
@@ -364,13 +365,20 @@ class Runner:
         text = yaml.safe_dump(doc, sort_keys=False)
         self.done += 1
         head = f"[{self.done:3d}/{self.total}] {subdir} {label} seed {seed}"
-        if self.resume and os.path.exists(paths["json"]) and os.path.exists(paths["yaml"]):
+        unchanged = False
+        if self.resume and os.path.exists(paths["yaml"]):
             with open(paths["yaml"]) as f:
-                if f.read() == text:
-                    record = self._record(label, seed, paths["json"], target, 0.0, None)
-                    if record.summary is not None:
-                        self.say(f"{head}: done before, reusing {os.path.relpath(paths['json'], self.out_dir)}")
-                        return record
+                unchanged = f.read() == text
+        if unchanged and os.path.exists(paths["json"]):
+            record = self._record(label, seed, paths["json"], target, 0.0, None)
+            if record.summary is not None:
+                self.say(f"{head}: done before, reusing {os.path.relpath(paths['json'], self.out_dir)}")
+                return record
+        # An unfinished SMA run continues from its last checkpoint (kept only for the same run).
+        checkpoints = f"{base}.checkpoints"
+        if not unchanged:
+            shutil.rmtree(checkpoints, ignore_errors=True)
+        resumable = ["--checkpoint-dir", checkpoints, "--resume"] if METHODS[method].module == "crossbow_tf.run" else []
         for p in paths.values():
             if os.path.exists(p):
                 os.remove(p)
@@ -379,10 +387,12 @@ class Runner:
         self.say(f"{head} ... (elapsed {_clock(time.time() - self.started)}, ETA {self.eta()})")
         load = os.getloadavg() if hasattr(os, "getloadavg") else None
         start = time.time()
-        code, error = self._spawn(METHODS[method].module, paths, timeout, load)
+        code, error = self._spawn(METHODS[method].module, paths, timeout, load, resumable)
         duration = time.time() - start
         self.durations.append(duration)
         record = self._record(label, seed, paths["json"], target, duration, load)
+        if code == 0 and record.summary is not None:
+            shutil.rmtree(checkpoints, ignore_errors=True)
         if code != 0 or record.summary is None:
             record.summary = None
             record.error = error or record.error or f"exit code {code}"
@@ -413,10 +423,10 @@ class Runner:
         record.summary = run_summary(data, target)
         return record
 
-    def _spawn(self, module, paths, timeout, load=None):
+    def _spawn(self, module, paths, timeout, load=None, extra_args=()):
         env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
                    PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        cmd = [self.python, "-m", module, "--config", paths["yaml"], "--results", paths["json"]]
+        cmd = [self.python, "-m", module, "--config", paths["yaml"], "--results", paths["json"], *extra_args]
         lines = queue.Queue()
         with open(paths["log"], "w") as log:
             log.write("$ " + " ".join(cmd) + "\n")
@@ -796,10 +806,8 @@ def software_line(records):
 
 
 def write_json(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(
+        data, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)))
 
 
 def command_line():

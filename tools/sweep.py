@@ -9,18 +9,18 @@ DIR/summary.json, DIR/sweep.png and every run's files under DIR/runs/. See docs/
     python tools/sweep.py --config configs/lenet_mnist_cpu.yaml --out /tmp/sweep --global-batches 64 256 \\
         --learners 4 16 --epochs 5
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tools/ is a folder of scripts, not a package
 import harness  # noqa: E402
 import study  # noqa: E402
+from crossbow_tf import cli  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python tools/sweep.py", description=__doc__.splitlines()[0])
+    p = cli.OneLineParser(prog="python tools/sweep.py", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML experiment with a sweep: section")
     p.add_argument("--out", help="new report directory (default: reports/<experiment name>-sweep)")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
@@ -31,6 +31,7 @@ def parse_args(argv):
     p.add_argument("--epochs", type=int, help="override sweep.epochs (the cap per run)")
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
 
@@ -68,6 +69,7 @@ def build(args):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    cli.quiet_tensorflow(args.verbose)   # the training processes inherit it
     try:
         _, sections = harness.load_harness_config(args.config)
         if study.is_study(sections["sweep"]):
@@ -83,8 +85,9 @@ def main(argv=None):
             return 0
         harness.prepare_out_dir(out, force=args.force, resume=args.resume)
     except CrossbowError as e:
-        print(f"sweep: error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail("sweep", e)
+    except OSError as e:   # the report directory cannot be made
+        return cli.fail("sweep", f"{e.filename}: {e.strerror}")
 
     harness.copy_config(args.config, out)
     machine = harness.machine_info()
@@ -106,8 +109,7 @@ def main(argv=None):
     if failed:
         parts += ["", "## Failed runs", "", harness.markdown_table(
             ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write("\n".join(parts) + "\n")
+    harness.atomic_write_text(os.path.join(out, "report.md"), "\n".join(parts) + "\n")
     harness.write_json(os.path.join(out, "summary.json"), dict(
         machine=machine, command=harness.command_line(), spec=spec,
         sweep={series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]
@@ -120,4 +122,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except OSError as e:   # writing the report after the runs (disk full, directory gone)
+        sys.exit(cli.fail("sweep", f"{e.filename}: {e.strerror}; the finished runs stay in the report's "
+                                   "runs/ directory: free the space and rerun with --resume to write the report"))

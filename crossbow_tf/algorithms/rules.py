@@ -11,6 +11,30 @@ Each algorithm splits one iteration in two halves that the engine places:
   velocity u, identically on every device's copy.
 """
 import dataclasses
+import math
+import numbers
+
+
+def _check_fraction(rule, name, value, low_closed, high_closed, allow_none=False):
+    """Raises TypeError/ValueError naming RULE's parameter NAME unless VALUE is a finite number in the
+    interval (closed at each end as told); creating a rule is the Python API's first check."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{rule}: {name} must be a number, got {value!r}")
+    low, high = (0.0, 1.0)
+    ok = math.isfinite(value) and (low <= value if low_closed else low < value) and (
+        value <= high if high_closed else value < high)
+    if not ok:
+        interval = f"{'[' if low_closed else '('}0, 1{']' if high_closed else ')'}"
+        raise ValueError(f"{rule}: {name} must be in {interval}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _check_weight_decay(rule, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{rule}: weight_decay must be a number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{rule}: weight_decay must be a finite number >= 0, got {value!r}")
 
 
 def _velocity(momentum, v, lr, g, weight_decay, w):
@@ -36,6 +60,14 @@ class SMA:
     name = "sma"
     gradient_at_center = False
     reset_on_lr_drop = True
+
+    def __post_init__(self):
+        # alpha = 0 is allowed: the learners train independently and z never moves (tests use it to
+        # compare learners with plain SGD); an experiment config refuses it, as it evaluates z.
+        _check_fraction("SMA", "alpha", self.alpha, True, True, allow_none=True)
+        _check_fraction("SMA", "momentum", self.momentum, True, False)
+        _check_fraction("SMA", "central_momentum", self.central_momentum, True, False)
+        _check_weight_decay("SMA", self.weight_decay)
 
     @property
     def keeps_learner_velocity(self):
@@ -71,6 +103,10 @@ class SynchronousSGD:
     reset_on_lr_drop = False
     keeps_learner_velocity = False
 
+    def __post_init__(self):
+        _check_fraction("SynchronousSGD", "momentum", self.momentum, True, False)
+        _check_weight_decay("SynchronousSGD", self.weight_decay)
+
     def resolve(self, num_learners):
         return self
 
@@ -97,6 +133,11 @@ class ElasticAveragingSGD:
     name = "easgd"
     gradient_at_center = False
     reset_on_lr_drop = False
+
+    def __post_init__(self):
+        _check_fraction("ElasticAveragingSGD", "alpha", self.alpha, True, True, allow_none=True)
+        _check_fraction("ElasticAveragingSGD", "momentum", self.momentum, True, False)
+        _check_weight_decay("ElasticAveragingSGD", self.weight_decay)
 
     @property
     def keeps_learner_velocity(self):

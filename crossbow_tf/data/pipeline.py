@@ -46,10 +46,12 @@ def input_options(threads=None):
 
 
 def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
-                  shuffle_buffer=None, deterministic=True, threads=None, rows=None):
+                  shuffle_buffer=None, deterministic=True, threads=None, skip_iterations=0, rows=None):
     """The iterations of one training epoch as (x, y, mask) with a leading dimension of k*b.
 
     The epoch's order is a shuffle seeded by (SEED, EPOCH): the same seed gives the same order.
+    SKIP_ITERATIONS leaves out the epoch's first iterations (a resumed run continues the same order
+    with the same augmentation; the skipped examples are not augmented).
     THREADS (default: half the cores) decode and augment in parallel on a private thread pool.
     ROWS = (start, stop) keeps only those rows of every iteration (one worker's learners' slices,
     see ``Engine.local_rows``), decoded and augmented alone, and yields (x, y, mask, count) with
@@ -66,13 +68,16 @@ def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
     elif shuffle:
         buffer = shuffle_buffer or split.size
         ds = ds.shuffle(buffer, seed=epoch_seed, reshuffle_each_iteration=False)
+    skipped = skip_iterations * global_batch
+    if skipped:
+        ds = ds.skip(skipped)
     if rows is not None:
-        return _rows_of_batches(ds, global_batch, rows, map_fn, threads, deterministic, epoch_seed)
+        return _rows_of_batches(ds, global_batch, rows, map_fn, threads, deterministic, epoch_seed, skipped)
     if map_fn is not None:
         if getattr(map_fn, "needs_seed", False):
             # Random augmentation draws from stateless ops seeded by (epoch seed, position in the
             # epoch), so parallel map calls cannot change which example gets which crop or flip.
-            positions = tf.data.Dataset.counter()
+            positions = tf.data.Dataset.counter(start=skipped)
             ds = tf.data.Dataset.zip((ds, positions)).map(
                 lambda example, i: map_fn(*example, tf.stack([tf.constant(epoch_seed, tf.int64), i])),
                 num_parallel_calls=threads, deterministic=deterministic)
@@ -82,13 +87,13 @@ def train_batches(split, global_batch, epoch, seed=0, shuffle=True, map_fn=None,
     return ds.prefetch(2).with_options(input_options(threads))
 
 
-def _rows_of_batches(ds, global_batch, rows, map_fn, threads, deterministic, epoch_seed):
+def _rows_of_batches(ds, global_batch, rows, map_fn, threads, deterministic, epoch_seed, first_position=0):
     """ROWS of every iteration of DS (stored examples in the epoch's order): cut and padded before
     MAP_FN runs, so that a worker decodes and augments only its own rows."""
     start, stop = rows
     seeded = map_fn is not None and getattr(map_fn, "needs_seed", False)
     if seeded:   # positions in the epoch seed the augmentation, as in the whole-iteration pipeline
-        ds = tf.data.Dataset.zip((ds, tf.data.Dataset.counter()))
+        ds = tf.data.Dataset.zip((ds, tf.data.Dataset.counter(start=first_position)))
 
     def pick(*batch):
         n = tf.shape(tf.nest.flatten(batch)[0])[0]

@@ -33,7 +33,7 @@ _POLL_SECONDS = 0.5
 
 class ClusterError(CrossbowError):
     """A worker of the cluster is missing (never started, died or hung)."""
-    exit_code = 3
+    exit_code = 4
 
 
 def _device_type(device):

@@ -1,4 +1,8 @@
 """The compiled training step: k = D x m learners, their update rule and the synchronisation."""
+import math
+import numbers
+
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -47,6 +51,21 @@ def _update_groups(variables, learners):
     return [group] + groups if group else groups
 
 
+def _checked_learning_rate(lr):
+    """LR as a float (None for a symbolic tensor); raises for anything but a finite number >= 0."""
+    if isinstance(lr, (tf.Tensor, tf.Variable)) and not tf.executing_eagerly():
+        return None
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise TypeError(f"Engine.train_step: lr must be a number, got {lr!r}") from None
+    if isinstance(lr, bool) or not (isinstance(lr, numbers.Real) or hasattr(lr, "dtype")):
+        raise TypeError(f"Engine.train_step: lr must be a number, got {lr!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"Engine.train_step: lr must be a finite number >= 0, got {value}")
+    return value
+
+
 def _is_float(variable):
     return tf.as_dtype(variable.dtype).is_floating
 
@@ -76,12 +95,32 @@ class Engine:
     velocity u. MODEL itself is left alone until ``write_center_to_model`` copies z into it.
     """
 
-    def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True):
+    def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True,
+                 reset_on_lr_drop=True):
+        """RESET_ON_LR_DROP: ``train_step`` restarts every learner from z when its learning rate is
+        lower than the previous call's (Crossbow's rule for step schedules; SMA only). Pass False
+        for a smoothly decaying rate, which falls at every step, and call ``reset_learners()`` at
+        your own step boundaries."""
+        from crossbow_tf.distribute.strategy import CrossbowStrategy
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"Engine: model must be a keras.Model, got {type(model).__name__}")
+        if not isinstance(strategy, CrossbowStrategy):
+            raise TypeError(f"Engine: strategy must be a crossbow_tf.CrossbowStrategy, got {type(strategy).__name__}")
+        if not (hasattr(algorithm, "resolve") and hasattr(algorithm, "local")):
+            raise TypeError(f"Engine: algorithm must be an update rule such as crossbow_tf.algorithms.SMA(), "
+                            f"got {algorithm!r}")
+        if isinstance(learners, str) and learners not in ("auto", "fused", "replicated"):
+            raise ValueError(f"Engine: learners must be \"auto\", \"fused\" or \"replicated\", got {learners!r}")
+        if not isinstance(reset_on_lr_drop, bool):
+            raise TypeError(f"Engine: reset_on_lr_drop must be True or False, got {reset_on_lr_drop!r}")
         if not model.built:
             raise ValueError(f"model {model.name!r} is not built: give it an Input or call build() first")
         self.model = model
         self.strategy = strategy
         self.algorithm = algorithm.resolve(strategy.num_learners)
+        self.reset_on_lr_drop = reset_on_lr_drop and self.algorithm.reset_on_lr_drop
+        self._previous_lr = None          # the learning rate of the last train_step
+        self._learners_at_center = True   # no step since the learners were last set to z
         # learners: "auto" (fused when every layer allows it), "fused", "replicated", or a computation.
         self.learners = make_learners(model, loss, learners) if isinstance(learners, str) else learners
         m = strategy.learners_per_device
@@ -125,6 +164,10 @@ class Engine:
         self._central_update = tf.function(self._central_update_fn, autograph=False)
         self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
         self._reset = tf.function(self._reset_fn, autograph=False)
+        # Whether the last step's loss and z were finite: written by every step, read only when the
+        # loss it returned says something was not.
+        with tf.device(strategy.devices[0]):
+            self._finite = tf.Variable(tf.ones([2], tf.bool), trainable=False, name="finite")
 
     def _learner_states(self, state, is_float, device_index):
         m = self.strategy.learners_per_device
@@ -143,15 +186,46 @@ class Engine:
     def train_step(self, x, y, mask, lr, total_count=None):
         """One iteration on a global batch of k*b examples cut into k consecutive slices of b.
 
-        MASK marks real (1.0) and padding (0.0) examples. Returns (mean loss over real examples,
-        predictions of every learner of this worker on its slice, in example order). On several
-        workers every worker is given the same global batch and trains its learners' slices
-        (``local_rows``), or, with TOTAL_COUNT (the iteration's real examples on all workers),
-        only those rows.
+        X and Y have k*b rows (NumPy arrays or tensors; float64 features are cast to float32); MASK
+        (k*b values, or None for all real) marks real (1.0) and padding (0.0) examples; LR is this
+        iteration's learning rate. When LR is lower than the previous call's and the engine resets on
+        drops (see __init__), every learner restarts from z first. Returns (mean loss over real
+        examples, predictions of every learner of this worker on its slice, in example order). The
+        loss is NaN when the loss or z is not finite; ``non_finite`` says what. A learner whose
+        weights the step made non-finite gives a non-finite loss at its next step (``non_finite``
+        checks them directly). On several workers every worker is given the same global batch and
+        trains its learners' slices (``local_rows``), or, with TOTAL_COUNT (the iteration's real
+        examples on all workers), only those rows: X, Y and MASK then have D*m*b rows.
         """
+        x, y, mask = self._checked_batch(x, y, mask, local=total_count is not None)
+        lr_value = _checked_learning_rate(lr)
+        if (self.reset_on_lr_drop and lr_value is not None and self._previous_lr is not None
+                and lr_value < self._previous_lr and not self._learners_at_center):
+            self.reset_learners()
+        self._previous_lr = lr_value
+        self._learners_at_center = False
         if total_count is not None:
             total_count = tf.cast(total_count, tf.float32)
-        return self._step(x, y, tf.cast(mask, tf.float32), tf.constant(lr, tf.float32), total_count)
+        return self._step(x, y, mask, tf.cast(lr, tf.float32), total_count)
+
+    def _checked_batch(self, x, y, mask, local=False):
+        k = self.strategy.local_learners if local else self.num_learners
+        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+        if x.dtype == tf.float64:
+            x = tf.cast(x, tf.float32)   # NumPy's default float; the model's weights are float32
+        if y.dtype == tf.float64:
+            y = tf.cast(y, tf.float32)
+        rows = x.shape[0]
+        if rows is None or rows == 0 or rows % k:
+            what = "this worker's rows are D*m*b" if local else "a global batch is k*b rows"
+            raise ValueError(f"Engine.train_step: x has {rows} rows; {what} "
+                             f"({k} learners, b examples each)")
+        if y.shape[0] != rows:
+            raise ValueError(f"Engine.train_step: y has {y.shape[0]} rows, x has {rows}")
+        mask = tf.ones([rows], tf.float32) if mask is None else tf.cast(mask, tf.float32)
+        if mask.shape != (rows,):
+            raise ValueError(f"Engine.train_step: mask must have shape ({rows},), got {tuple(mask.shape)}")
+        return x, y, mask
 
     def local_rows(self, global_batch):
         """(start, stop): the rows of a global batch that this worker's learners train on."""
@@ -212,6 +286,13 @@ class Engine:
                         # z's BatchNorm statistics are the mean of all learners' statistics.
                         self.center_states[d][i].assign(next(float_states) / k)
         loss = loss_sum / tf.maximum(total_count, 1.0)
+        # One pass over z, not over the k learners' copies: checking those in the step made a LeNet
+        # iteration with 8 learners about 10% slower. A learner gone non-finite shows in its next loss.
+        with tf.device(strategy.devices[0]):
+            center_finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(z)) for z in self.center[0]]))
+            finite = tf.stack([tf.math.is_finite(loss), center_finite])
+            self._finite.assign(finite)
+            loss = tf.where(tf.reduce_all(finite), loss, tf.constant(float("nan"), loss.dtype))
         preds = tf.concat([tf.reshape(l["preds"], [m * b] + l["preds"].shape[2:].as_list()) for l in local], 0)
         return loss, preds
 
@@ -251,6 +332,26 @@ class Engine:
                 sums[i] = total
         return sums
 
+    def non_finite(self):
+        """What is not finite, in words: "the loss" (of the last step), "z", "learner j" (its weights,
+        velocities or float state); empty when everything is finite. Reads every variable: for
+        diagnosis and before a checkpoint, not for every iteration."""
+        loss_finite, _ = self._finite.numpy()
+        names = [] if loss_finite else ["the loss"]
+        if not all(np.isfinite(v.numpy()).all() for v in self.center[0] + self.center_velocity[0]):
+            names.append("z")
+        m = self.strategy.learners_per_device
+        for d in range(self.strategy.num_devices):
+            finite = np.ones(m, bool)
+            stacks = [s for s, f in zip(self.states[d], self._float_state) if f]
+            if self.weights:
+                stacks += self.weights[d] + self.velocities[d]
+            for stack in stacks:
+                values = stack.numpy()
+                finite &= np.isfinite(values.reshape(m, -1)).all(axis=1)
+            names += [f"learner {d * m + i}" for i in range(m) if not finite[i]]
+        return names
+
     def update_center(self, d, totals, lr):
         """Applies the summed contributions TOTALS to device D's copy of z (inside a tf.function)."""
         new_center, new_center_velocity = self._central_update(
@@ -262,6 +363,7 @@ class Engine:
         """Sets every learner's weights and float state to the central model's (velocities kept)."""
         if not self.algorithm.gradient_at_center:
             self._reset()
+        self._learners_at_center = True
 
     def _reset_fn(self):
         m = self.strategy.learners_per_device

@@ -1,4 +1,5 @@
 """The epoch loop: feed iterations to the engine, evaluate z, record results."""
+import math
 import time
 
 import numpy as np
@@ -6,8 +7,10 @@ import tensorflow as tf
 
 from crossbow_tf.data.pipeline import eval_batches, iterations_per_epoch, train_batches
 from crossbow_tf.engine import diagnostics
+from crossbow_tf.engine.checkpoint import Progress
 from crossbow_tf.engine.replicated import per_example_loss_fn
 from crossbow_tf.engine.schedule import is_drop
+from crossbow_tf.errors import TrainingDiverged, TrainingInterrupted
 from crossbow_tf.results import at_chance, reaches
 
 
@@ -50,7 +53,8 @@ def batchnorm_batches(data, batch_size, count, seed):
 
 def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target_accuracy=None,
           stop_at_target=True, eval_batch_size=500, shuffle=True, log=print, learner_diagnostics=True,
-          collapse_epochs=2, batchnorm_eval="averaged", batchnorm_batches_count=8):
+          collapse_epochs=2, batchnorm_eval="averaged", batchnorm_batches_count=8, checkpoints=None,
+          progress=None, on_divergence="stop", max_rollbacks=3, stop_signals=None):
     """Trains ENGINE on DATA (a DataSource) and evaluates z after every epoch.
 
     Returns RESULTS with one evaluation per epoch; wall time counts training only.
@@ -59,81 +63,189 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
     epochs after the first (0: never). BATCHNORM_EVAL: evaluate z with the learners' averaged
     BatchNorm statistics, with statistics "recomputed" on BATCHNORM_BATCHES_COUNT training batches
     (their cost counts as training time), or "both" (averaged counts; recomputed is recorded beside).
+
+    CHECKPOINTS (crossbow_tf.engine.checkpoint.Checkpoints) saves the run at the start (unless
+    PROGRESS says it resumes), every ``every_iterations`` and at epoch ends; PROGRESS (a Progress
+    restored from a checkpoint, with RESULTS) continues a run where it stopped. STOP_SIGNALS
+    (StopSignals) stops at an iteration boundary after a checkpoint: TrainingInterrupted.
+    A non-finite loss, learner or z stops training with TrainingDiverged (RESULTS keep the epochs
+    so far); ON_DIVERGENCE="rollback" first restores the newest checkpoint with the learning rate
+    halved, at most MAX_ROLLBACKS times.
     """
     if batchnorm_eval not in BATCHNORM_EVAL:
         raise ValueError(f"batchnorm_eval: choose one of {', '.join(BATCHNORM_EVAL)}, got {batchnorm_eval!r}")
-    k = engine.num_learners
-    global_batch = k * batch_size
-    per_epoch = iterations_per_epoch(data.train.size, global_batch)
-    evaluator = Evaluator(engine.model, engine.learners.per_example_loss)
-    if engine.strategy.cluster is not None:
-        # Once per epoch on the chief; the other workers receive its figures (same z on every worker).
-        evaluator = engine.strategy.cluster.on_chief(evaluator, num_values=2)
-    # On several workers each decodes only its own learners' rows of every iteration.
-    rows = engine.local_rows(global_batch) if engine.strategy.num_workers > 1 else None
-    iteration, examples, train_time = 0, 0, 0.0
-    step_times = []
-    chance_run = 0
-    for epoch in range(1, epochs + 1):
-        batches = train_batches(data.train, global_batch, epoch, seed=seed, shuffle=shuffle,
-                                map_fn=data.train_map, rows=rows)
-        epoch_start = time.perf_counter()
-        loss_sum, seen = 0.0, 0
-        for x, y, mask, *count in batches:   # COUNT: the iteration's real examples, with ROWS
-            step_start = time.perf_counter()
-            if engine.algorithm.reset_on_lr_drop and is_drop(schedule, iteration):
-                engine.reset_learners()
-            loss, _ = engine.train_step(x, y, mask, schedule(iteration), *count)
-            n = int(count[0] if count else mask.numpy().sum())
-            loss_sum += float(loss) * n
-            seen += n
-            step_times.append(time.perf_counter() - step_start)
-            iteration += 1
-        epoch_time = time.perf_counter() - epoch_start
-        train_time += epoch_time
-        examples += seen
+    run = _Run(engine, data, batch_size, epochs, schedule, results, seed=seed, target_accuracy=target_accuracy,
+               stop_at_target=stop_at_target, eval_batch_size=eval_batch_size, shuffle=shuffle, log=log,
+               learner_diagnostics=learner_diagnostics, collapse_epochs=collapse_epochs,
+               batchnorm_eval=batchnorm_eval, batchnorm_batches_count=batchnorm_batches_count,
+               checkpoints=checkpoints, stop_signals=stop_signals)
+    if stop_signals is not None:
+        stop_signals.deferred = True
+    try:
+        if progress is None:
+            progress = Progress()
+            if checkpoints is not None:
+                checkpoints.save(progress, results)   # a run always has a good checkpoint to return to
+        while True:
+            try:
+                run.epochs(progress)
+                break
+            except _NonFinite as e:
+                if on_divergence != "rollback" or checkpoints is None or progress.rollbacks >= max_rollbacks:
+                    results.extra["diverged"] = dict(iteration=e.iteration, epoch=e.epoch, non_finite=e.what)
+                    tried = f" after {progress.rollbacks} roll-back(s)" if on_divergence == "rollback" else ""
+                    kept = f"; last good checkpoint {checkpoints.last_saved}" if checkpoints is not None else ""
+                    diverged = TrainingDiverged(f"diverged{tried}: {e}{kept}")
+                    diverged.results = results
+                    raise diverged from None
+                lr_scale, rollbacks = progress.lr_scale / 2, progress.rollbacks + 1
+                path, progress = checkpoints.restore_newest(results, log=log)
+                progress.lr_scale, progress.rollbacks = lr_scale, rollbacks
+                log(f"{e}: rolling back to {path} (iteration {progress.iteration}) with the learning rate "
+                    f"scaled by {lr_scale:g} (roll-back {rollbacks} of {max_rollbacks})")
+    finally:
+        if stop_signals is not None:
+            stop_signals.deferred = False
+    if progress.rollbacks:
+        results.extra["rollbacks"] = progress.rollbacks
+        results.extra["lr_scale"] = progress.lr_scale
+    if len(run.step_times) > 1:
+        results.extra["first_step_time"] = run.step_times[0]
+        results.extra["trace_time"] = max(run.step_times[0] - float(np.median(run.step_times[1:])), 0.0)
+    results.extra["iterations_per_epoch"] = run.per_epoch
+    return results
+
+
+class _NonFinite(Exception):
+    def __init__(self, what, iteration, epoch, position, per_epoch):
+        self.what, self.iteration, self.epoch = what, iteration, epoch
+        super().__init__(f"not finite at iteration {iteration} (epoch {epoch}, iteration {position} of "
+                         f"{per_epoch}): {', '.join(what)}")
+
+
+class _Run:
+    """The epoch loop of ``train``, resumable from any Progress."""
+
+    def __init__(self, engine, data, batch_size, epochs, schedule, results, *, seed, target_accuracy,
+                 stop_at_target, eval_batch_size, shuffle, log, learner_diagnostics, collapse_epochs,
+                 batchnorm_eval, batchnorm_batches_count, checkpoints, stop_signals):
+        self.engine, self.data, self.epochs_total, self.schedule, self.results = engine, data, epochs, schedule, results
+        self.seed, self.target_accuracy, self.stop_at_target = seed, target_accuracy, stop_at_target
+        self.eval_batch_size, self.shuffle, self.log = eval_batch_size, shuffle, log
+        self.learner_diagnostics, self.collapse_epochs = learner_diagnostics, collapse_epochs
+        self.batchnorm_eval, self.batchnorm_batches_count = batchnorm_eval, batchnorm_batches_count
+        self.checkpoints, self.stop_signals = checkpoints, stop_signals
+        self.global_batch = engine.num_learners * batch_size
+        self.per_epoch = iterations_per_epoch(data.train.size, self.global_batch)
+        self.evaluator = Evaluator(engine.model, engine.learners.per_example_loss)
+        if engine.strategy.cluster is not None:
+            # Once per epoch on the chief; the other workers receive its figures (same z on every worker).
+            self.evaluator = engine.strategy.cluster.on_chief(self.evaluator, num_values=2)
+        # On several workers each decodes only its own learners' rows of every iteration.
+        self.rows = engine.local_rows(self.global_batch) if engine.strategy.num_workers > 1 else None
+        self.step_times = []
+
+    def _stop_if_asked(self, p, segment_start=None):
+        if self.stop_signals is not None and self.stop_signals.received is not None:
+            if segment_start is not None:
+                p.epoch_time += time.perf_counter() - segment_start
+            path = self._save(p) if self.checkpoints is not None else None
+            raise TrainingInterrupted(self.stop_signals.received, path, p.iteration, p.epoch + 1)
+
+    def _save(self, p):
+        """Checkpoints P after making sure everything is finite: a checkpoint is always a good one.
+        (The step checks the loss and z; a learner that went non-finite in the step just done would
+        only show in its next loss.)"""
+        what = self.engine.non_finite()
+        if what:
+            epoch, position = (p.epoch + 1, p.position) if p.position else (p.epoch, self.per_epoch)
+            raise _NonFinite(what, p.iteration, epoch, position, self.per_epoch)
+        return self.checkpoints.save(p, self.results)
+
+    def epochs(self, p):
+        engine, schedule = self.engine, self.schedule
+        for epoch in range(p.epoch + 1, self.epochs_total + 1):
+            if p.finished:
+                break
+            batches = train_batches(self.data.train, self.global_batch, epoch, seed=self.seed, shuffle=self.shuffle,
+                                    map_fn=self.data.train_map, skip_iterations=p.position, rows=self.rows)
+            segment_start = time.perf_counter()
+            for x, y, mask, *count in batches:   # COUNT: the iteration's real examples, with ROWS
+                self._stop_if_asked(p, segment_start)
+                step_start = time.perf_counter()
+                if engine.algorithm.reset_on_lr_drop and is_drop(schedule, p.iteration):
+                    engine.reset_learners()
+                loss, _ = engine.train_step(x, y, mask, schedule(p.iteration) * p.lr_scale, *count)
+                loss = float(loss)   # NaN when the loss, a learner or z is not finite (Engine.train_step)
+                if not math.isfinite(loss):
+                    raise _NonFinite(engine.non_finite() or ["the loss"], p.iteration + 1, epoch, p.position + 1,
+                                     self.per_epoch)
+                n = int(count[0] if count else mask.numpy().sum())
+                p.epoch_loss_sum += loss * n
+                p.epoch_seen += n
+                p.iteration += 1
+                p.position += 1
+                self.step_times.append(time.perf_counter() - step_start)
+                last_of_epoch = p.position == self.per_epoch
+                if (self.checkpoints is not None and self.checkpoints.due(p.iteration)
+                        and not (last_of_epoch and self.checkpoints.at_epoch_end)):
+                    # Checkpoint writing is not training time.
+                    p.epoch_time += time.perf_counter() - segment_start
+                    self._save(p)
+                    segment_start = time.perf_counter()
+            p.epoch_time += time.perf_counter() - segment_start
+            self._end_epoch(p, epoch)
+            if self.checkpoints is not None and (self.checkpoints.at_epoch_end or p.finished):
+                self._save(p)
+            if not p.finished and epoch < self.epochs_total:   # a finished run just ends
+                self._stop_if_asked(p)
+
+    def _end_epoch(self, p, epoch):
+        engine, schedule, data, evaluator = self.engine, self.schedule, self.data, self.evaluator
+        epoch_time, seen = p.epoch_time, p.epoch_seen
+        train_loss = p.epoch_loss_sum / max(seen, 1)
+        p.train_time += epoch_time
+        p.examples += seen
         more = {}
-        if learner_diagnostics and not engine.algorithm.gradient_at_center:
+        if self.learner_diagnostics and not engine.algorithm.gradient_at_center:
             diagnostics.write_learner_to_model(engine, 0)
-            more["learner_accuracy"], _ = evaluator(data.test, eval_batch_size, data.eval_map)
+            more["learner_accuracy"], _ = evaluator(data.test, self.eval_batch_size, data.eval_map)
             more["learner_distance"] = diagnostics.mean_distance_to_center(engine)
             more["center_norm"] = diagnostics.center_norm(engine)
         engine.write_center_to_model()
-        if batchnorm_eval != "averaged":
-            if batchnorm_eval == "both":
-                averaged = evaluator(data.test, eval_batch_size, data.eval_map)
+        if self.batchnorm_eval != "averaged":
+            if self.batchnorm_eval == "both":
+                averaged = evaluator(data.test, self.eval_batch_size, data.eval_map)
             bn_start = time.perf_counter()
-            used = diagnostics.recompute_batchnorm(
-                engine.model, batchnorm_batches(data, eval_batch_size, batchnorm_batches_count, seed))
+            diagnostics.recompute_batchnorm(
+                engine.model, batchnorm_batches(data, self.eval_batch_size, self.batchnorm_batches_count, self.seed))
             more["bn_recompute_time"] = time.perf_counter() - bn_start
-            if batchnorm_eval == "recomputed":
-                train_time += more["bn_recompute_time"]
-        accuracy, test_loss = evaluator(data.test, eval_batch_size, data.eval_map)
-        if batchnorm_eval == "both":   # the recorded accuracy stays the averaged statistics' one
+            if self.batchnorm_eval == "recomputed":
+                p.train_time += more["bn_recompute_time"]
+        accuracy, test_loss = evaluator(data.test, self.eval_batch_size, data.eval_map)
+        if self.batchnorm_eval == "both":   # the recorded accuracy stays the averaged statistics' one
             more["accuracy_bn_recomputed"] = accuracy
             accuracy, test_loss = averaged
             engine.write_center_to_model()
-        results.add_evaluation(epoch=epoch, iteration=iteration, examples=examples, wall_time=train_time,
-                               accuracy=accuracy, loss=test_loss, train_loss=loss_sum / max(seen, 1),
-                               epoch_time=epoch_time, images_per_second=seen / epoch_time,
-                               test_examples=data.test.size, **more)
+        self.results.add_evaluation(epoch=epoch, iteration=p.iteration, examples=p.examples, wall_time=p.train_time,
+                                    accuracy=accuracy, loss=test_loss, train_loss=train_loss,
+                                    epoch_time=epoch_time, images_per_second=seen / epoch_time,
+                                    test_examples=data.test.size, **more)
         extra = "".join([f"  learner 0 {more['learner_accuracy']:.4f}" if "learner_accuracy" in more else "",
                          f"  distance to z {more['learner_distance']:.3g}" if "learner_distance" in more else "",
                          f"  recomputed-BN accuracy {more['accuracy_bn_recomputed']:.4f}"
                          if "accuracy_bn_recomputed" in more else ""])
-        log(f"epoch {epoch:3d}/{epochs}  test accuracy {accuracy:.4f}  test loss {test_loss:.4f}  "
-            f"train loss {loss_sum / max(seen, 1):.4f}  time {epoch_time:6.2f}s  "
-            f"{seen / epoch_time:8.0f} images/s  lr {schedule(iteration - 1):.4g}{extra}")
-        if target_accuracy is not None and stop_at_target and reaches(accuracy, target_accuracy, data.test.size):
-            break
-        chance_run = chance_run + 1 if epoch > 1 and at_chance(accuracy, data.num_classes) else 0
-        if collapse_epochs and chance_run >= collapse_epochs:
-            results.extra["collapsed"] = True
-            log(f"collapsed: test accuracy at chance ({1 / data.num_classes:.0%}) for {chance_run} epochs "
-                f"after the first; stopped at epoch {epoch}")
-            break
-    if len(step_times) > 1:
-        results.extra["first_step_time"] = step_times[0]
-        results.extra["trace_time"] = max(step_times[0] - float(np.median(step_times[1:])), 0.0)
-    results.extra["iterations_per_epoch"] = per_epoch
-    return results
+        self.log(f"epoch {epoch:3d}/{self.epochs_total}  test accuracy {accuracy:.4f}  test loss {test_loss:.4f}  "
+                 f"train loss {train_loss:.4f}  time {epoch_time:6.2f}s  "
+                 f"{seen / epoch_time:8.0f} images/s  lr {schedule(p.iteration - 1) * p.lr_scale:.4g}{extra}")
+        p.epoch, p.position, p.epoch_time, p.epoch_loss_sum, p.epoch_seen = epoch, 0, 0.0, 0.0, 0
+        if (self.target_accuracy is not None and self.stop_at_target
+                and reaches(accuracy, self.target_accuracy, data.test.size)):
+            p.finished = True
+            return
+        p.chance_run = p.chance_run + 1 if epoch > 1 and at_chance(accuracy, data.num_classes) else 0
+        if self.collapse_epochs and p.chance_run >= self.collapse_epochs:
+            self.results.extra["collapsed"] = True
+            self.log(f"collapsed: test accuracy at chance ({1 / data.num_classes:.0%}) for {p.chance_run} epochs "
+                     f"after the first; stopped at epoch {epoch}")
+            p.finished = True

@@ -9,7 +9,9 @@ callbacks all see z without knowing about learners.
 import contextlib
 import math
 import os
+import tempfile
 import warnings
+import zipfile
 
 import keras
 import numpy as np
@@ -20,6 +22,7 @@ from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, SynchronousSG
 from crossbow_tf.distribute.strategy import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
 from crossbow_tf.engine.replicated import ReplicatedLearners
+from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
 from crossbow_tf.keras.structure import CompiledLoss, Packer, PackedModel, check_compiled_loss
 
@@ -75,8 +78,42 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
     return ElasticAveragingSGD(alpha=alpha, momentum=momentum, weight_decay=weight_decay)
 
 
+# Keras schedules whose rate is constant between boundaries: a fall there is a real step drop.
+def _steps_of(schedule):
+    """A description of SCHEDULE's step boundaries when its rate moves in steps, else None."""
+    schedules = keras.optimizers.schedules
+    if isinstance(schedule, schedules.PiecewiseConstantDecay):
+        return f"at its boundaries {list(schedule.boundaries)} where the rate falls"
+    if isinstance(schedule, (schedules.ExponentialDecay, schedules.InverseTimeDecay)) and schedule.staircase:
+        return f"every {schedule.decay_steps} iterations (staircase)"
+    return None
+
+
+def reset_rule(algorithm, optimizer, setting="auto"):
+    """(whether learners restart from z when the rate falls, one line saying when) for ALGORITHM
+    trained with OPTIMIZER's learning rate under SETTING ("auto", True or False, see use_sma)."""
+    if not algorithm.reset_on_lr_drop:
+        return False, f"learner reset: none ({algorithm.name} has no learner reset)"
+    if setting is False:
+        return False, "learner reset: never (reset_on_lr_drop=False)"
+    rate = optimizer._learning_rate
+    is_schedule = isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+    name = type(rate).__name__
+    if setting is True:
+        return True, ("learner reset: every learner restarts from z whenever the learning rate falls "
+                      f"(reset_on_lr_drop=True{f'; {name} may fall every iteration' if is_schedule else ''})")
+    if not is_schedule:
+        return True, ("learner reset: every learner restarts from z when the learning rate falls "
+                      "(a constant rate changed by callbacks moves in steps)")
+    steps = _steps_of(rate)
+    if steps is not None:
+        return True, f"learner reset: every learner restarts from z when {name} drops, {steps}"
+    return False, (f"learner reset: never ({name} is not a step schedule; "
+                   "pass reset_on_lr_drop=True to reset whenever the rate falls)")
+
+
 def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
-            reset_on_lr_drop=True, jit_compile=False, learners=None):
+            reset_on_lr_drop="auto", jit_compile=False, learners=None):
     """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
 
     Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
@@ -91,8 +128,11 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
       alpha: SMA/EASGD correction factor; None means 1/k (SMA) or 0.9/k (EASGD).
       central_momentum: mu_z of SMA; None means 0.9.
       weight_decay: lambda, added to every gradient as lambda*w; None takes SGD(weight_decay=...).
-      reset_on_lr_drop: SMA resets every learner to z when the learning rate falls from one
-        iteration to the next (Crossbow's rule for step schedules).
+      reset_on_lr_drop: when SMA restarts every learner from z (Crossbow's rule for step schedules).
+        "auto": when the rate falls, if it moves in steps (a float or variable that callbacks set,
+        PiecewiseConstantDecay, a staircase ExponentialDecay or InverseTimeDecay); never for any other
+        schedule (a smooth decay falls a little every step). True: whenever the rate falls from one
+        iteration to the next. False: never. ``fit`` prints which rule is in force.
       jit_compile: compile the engine's step with XLA (slower on CPU).
       learners: the engine's learner computation ("auto", "fused", "replicated"); None: the engine's default.
     """
@@ -113,6 +153,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     rule = algorithm_from_optimizer(model.optimizer, algorithm, alpha, central_momentum, weight_decay)
     check_compiled_loss(model)
     detach(model)
+    if reset_on_lr_drop not in ("auto", True, False) or not isinstance(reset_on_lr_drop, (str, bool)):
+        raise ValueError(f"reset_on_lr_drop must be \"auto\", True or False, got {reset_on_lr_drop!r}")
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
                                 learners=learners)
     setattr(model, _ATTRIBUTE, training)
@@ -155,7 +197,7 @@ class _Synchronise(keras.callbacks.Callback):
 class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
-    def __init__(self, model, strategy, algorithm, reset_on_lr_drop=True, jit_compile=False, learners=None):
+    def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None):
         self.model = model
         self.strategy = strategy
         self.loss = CompiledLoss(model)
@@ -166,7 +208,8 @@ class CrossbowTraining:
         options = {} if learners is None else {"learners": learners}
         self.engine = Engine(model, self.loss, algorithm, strategy, jit_compile=jit_compile, **options)
         self.algorithm = self.engine.algorithm
-        self.reset_on_lr_drop = bool(reset_on_lr_drop and self.algorithm.reset_on_lr_drop)
+        self.reset_setting = reset_on_lr_drop
+        self.reset_on_lr_drop, self.reset_rule = reset_rule(self.algorithm, model.optimizer, reset_on_lr_drop)
         # 0 means "no iteration yet": a learning rate is never below it, so the first step never resets.
         self.previous_lr = tf.Variable(0.0, trainable=False, name="crossbow_previous_lr")
         self.resets = tf.Variable(0, dtype=tf.int64, trainable=False, name="crossbow_resets")
@@ -273,6 +316,9 @@ class CrossbowTraining:
         if class_weight is not None or sample_weight is not None:
             raise ValueError("class_weight and sample_weight are not supported by Crossbow training")
         self._check_optimizer_unchanged()
+        self._resolve_reset_rule()
+        if verbose != 0:
+            print(f"crossbow_tf: {self.reset_rule}", flush=True)
         x, keras_batch_size, b = data_lib.group_for_learners(x, batch_size, self.num_learners)
         self._use_global_batch(self.num_learners * b)
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -296,6 +342,7 @@ class CrossbowTraining:
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """One iteration on a global batch of x (cut into k slices, padded to a multiple of k)."""
         self._check_optimizer_unchanged()
+        self._resolve_reset_rule()
         n = len(tree.flatten(x)[0])
         self._use_global_batch(self.num_learners * math.ceil(n / self.num_learners))
         # Across workers, the chief's weights are broadcast at the first call only: a broadcast per
@@ -322,6 +369,13 @@ class CrossbowTraining:
             self.model.train_function = None
             self._traced_batch = global_batch
         self.global_batch = global_batch
+
+    def _resolve_reset_rule(self):
+        # The rule is baked into the traced step; a schedule swapped in since needs a new trace.
+        reset, self.reset_rule = reset_rule(self.algorithm, self.model.optimizer, self.reset_setting)
+        if reset != self.reset_on_lr_drop:
+            self.reset_on_lr_drop = reset
+            self.model.train_function = None
 
     def _check_optimizer_unchanged(self):
         if _optimizer_signature(self.model.optimizer) != self._algorithm_args:
@@ -380,13 +434,29 @@ class CrossbowTraining:
         return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
 
     def save_state(self, path):
-        np.savez(path, *[v.numpy() for v in self.state_variables()])
+        """Writes the learners and z to PATH atomically: a crash leaves the previous file or the new one."""
+        directory, name = os.path.split(os.path.abspath(path))
+        handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)   # cannot collide
+        try:
+            with os.fdopen(handle, "wb") as f:
+                np.savez(f, *[v.numpy() for v in self.state_variables()])
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
 
     def load_state(self, path):
         """Restores the learners and z saved by ``save_state`` if they belong to the model's current z."""
         variables = self.state_variables()
-        with np.load(path) as f:
-            arrays = [f[f"arr_{i}"] for i in range(len(f.files))]
+        try:
+            with np.load(path) as f:
+                arrays = [f[f"arr_{i}"] for i in range(len(f.files))]
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+            raise DamagedFile(f"{path}: damaged Crossbow learners' state ({type(e).__name__}: {e}); delete "
+                                  "it and the backup beside it to restart training from the beginning") from None
         if len(arrays) != len(variables) or any(a.shape != tuple(v.shape) for a, v in zip(arrays, variables)):
             warnings.warn(f"{path} does not match this model and strategy; learners restart from the model's weights")
             return False
@@ -400,15 +470,28 @@ class CrossbowTraining:
 
     # BackupAndRestore saves and loads through these; its files then carry the learners as well.
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        result = type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
         if os.path.abspath(str(filepath)) in self._backup_paths:
+            result = type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
             self.save_state(str(filepath) + STATE_SUFFIX)
-        return result
+            return result
+        # Any other weights file (save_weights, ModelCheckpoint) holds z and the optimizer state of
+        # an SGD that has taken no step: SMA never uses SGD's momentum slots, and a freshly
+        # compiled model's SGD then loads the file without Keras's "Skipping variable loading" warning.
+        with _as_unbuilt(self.model.optimizer):
+            return type(self.model).save_weights(self.model, filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, **kwargs):
-        result = type(self.model).load_weights(self.model, filepath, **kwargs)
+        backup = os.path.abspath(str(filepath)) in self._backup_paths
+        try:
+            result = type(self.model).load_weights(self.model, filepath, **kwargs)
+        except Exception as e:
+            if not backup:
+                raise
+            raise DamagedFile(f"{filepath}: damaged BackupAndRestore backup ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); delete it to restart training "
+                                  "from the beginning") from None
         state = str(filepath) + STATE_SUFFIX
-        if os.path.abspath(str(filepath)) in self._backup_paths and os.path.exists(state):
+        if backup and os.path.exists(state):
             self.load_state(state)
         return result
 
@@ -428,6 +511,18 @@ def _callbacks_of_worker(cluster, callbacks, verbose):
     if cluster.is_chief:
         return callbacks, verbose
     return [cb for cb in callbacks if not isinstance(cb, _WRITING_CALLBACKS)], 0
+
+
+@contextlib.contextmanager
+def _as_unbuilt(optimizer):
+    """OPTIMIZER shows only the variables it has before ``build`` (iteration, learning rate) meanwhile."""
+    unbuilt = len(type(optimizer).from_config(optimizer.get_config()).variables)
+    saved = optimizer._variables
+    optimizer._variables = saved[:unbuilt]
+    try:
+        yield
+    finally:
+        optimizer._variables = saved
 
 
 def _optimizer_signature(optimizer):

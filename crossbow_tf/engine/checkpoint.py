@@ -1,0 +1,174 @@
+"""Checkpoints of a training run, complete enough that a resumed run continues bit for bit.
+
+A checkpoint is a ``tf.train.Checkpoint`` written by a ``tf.train.CheckpointManager`` (TensorFlow
+writes it under temporary names and renames it into place, then updates the directory's index, so
+a killed process leaves the previous checkpoints intact; ``max_to_keep`` bounds the directory).
+It holds every device's learners (weights, velocities and non-trainable state: BatchNorm
+statistics, the seed state Dropout draws its masks from), z and u, and one JSON record: the
+configuration, the progress (``Progress``), the learners per device the run uses (the auto-tuner's
+choice, so a resumed run does not re-tune) and the results so far (the tuner's curve among them).
+
+The data order needs no state of its own: an epoch's order and augmentation are functions of
+(seed, epoch, position), so the number of iterations done in the epoch is enough to continue it.
+"""
+import dataclasses
+import json
+import os
+
+import tensorflow as tf
+
+from crossbow_tf.errors import CheckpointError
+from crossbow_tf.results import json_safe
+
+FORMAT = 1
+CHECKPOINT_NAME = "ckpt"
+_RECORD_KEY = "record/.ATTRIBUTES/VARIABLE_VALUE"
+
+# Keys of an experiment configuration that do not change the training trajectory: a resumed run
+# may differ from its checkpoint in these (a prefix ending in "." covers a whole section).
+# Evaluation is of z only and changes no weight; the auto-tuner's settings only choose m, which the
+# checkpoint records.
+NON_TRAJECTORY_KEYS = ("name", "epochs", "target_accuracy", "stop_at_target", "eval_batch_size",
+                       "data.data_dir", "autotune.", "checkpoint.", "on_divergence", "max_rollbacks",
+                       "learner_diagnostics", "collapse_epochs", "batchnorm_eval", "batchnorm_batches")
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a run is: everything of the training loop's own state a checkpoint must carry."""
+    iteration: int = 0            # iterations done
+    epoch: int = 0                # epochs completed (evaluated and recorded)
+    position: int = 0             # iterations done in epoch + 1
+    examples: int = 0             # examples seen in the completed epochs
+    train_time: float = 0.0       # training seconds of the completed epochs
+    epoch_time: float = 0.0       # training seconds of epoch + 1 so far
+    epoch_loss_sum: float = 0.0   # sum of the training loss over the examples of epoch + 1 so far
+    epoch_seen: int = 0           # real examples of epoch + 1 so far
+    lr_scale: float = 1.0         # every roll-back halves it
+    rollbacks: int = 0
+    chance_run: int = 0           # consecutive epochs (after the first) at chance accuracy
+    finished: bool = False        # reached the target (or collapsed) and stopped
+
+
+def _flatten(mapping, prefix=""):
+    out = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def trajectory_differences(saved_config, config):
+    """Dotted keys whose values differ between two configuration dicts and change the trajectory."""
+    saved, current = _flatten(saved_config), _flatten(config)
+    def matters(key):
+        return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NON_TRAJECTORY_KEYS)
+    return [f"{key} ({saved.get(key)!r} in the checkpoint, {current.get(key)!r} now)"
+            for key in sorted(set(saved) | set(current)) if matters(key) and saved.get(key) != current.get(key)]
+
+
+def checkpoint_paths(directory):
+    """The checkpoints in DIRECTORY, newest first (empty when there are none)."""
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except Exception as e:   # a damaged index file: TensorFlow raises a protobuf parse error
+        raise CheckpointError(f"{os.path.join(directory, 'checkpoint')}: damaged checkpoint index "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if state is None:
+        return []
+    return list(reversed(state.all_model_checkpoint_paths))
+
+
+def read_record(path):
+    """The JSON record of the checkpoint at PATH (a prefix such as DIR/ckpt-63)."""
+    try:
+        record = json.loads(tf.train.load_checkpoint(path).get_tensor(_RECORD_KEY).decode())
+    except Exception as e:   # missing or truncated files: NotFoundError, DataLossError, ...
+        raise CheckpointError(f"{path}: damaged or incomplete checkpoint "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a crossbow_tf checkpoint of format {FORMAT}")
+    return record
+
+
+def newest_record(directory, log=print):
+    """(path, record) of the newest readable checkpoint in DIRECTORY, or None when it holds none.
+
+    A damaged newest checkpoint is passed over with one line saying so; all damaged is an error."""
+    paths = checkpoint_paths(directory)
+    problems = []
+    for path in paths:
+        try:
+            return path, read_record(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            log(f"skipping {e}")
+    if problems:
+        raise CheckpointError(f"{directory}: no usable checkpoint ({problems[0]})")
+    return None
+
+
+class Checkpoints:
+    """Saves and restores ENGINE's complete state with a run's record in DIRECTORY."""
+
+    def __init__(self, directory, engine, *, every_iterations=None, at_epoch_end=True, max_to_keep=3):
+        self.directory, self.engine = directory, engine
+        self.every_iterations, self.at_epoch_end = every_iterations, at_epoch_end
+        with tf.device("/CPU:0"):
+            self._record = tf.Variable("", dtype=tf.string, trainable=False)
+        e = engine
+        self.checkpoint = tf.train.Checkpoint(
+            center=e.center, center_velocity=e.center_velocity, center_states=e.center_states,
+            weights=e.weights, velocities=e.velocities, states=e.states, record=self._record)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep,
+                                                  checkpoint_name=CHECKPOINT_NAME)
+        self.base_record = {}   # the run's fixed part: configuration, learners per device
+        self.last_saved, self._last_state = None, None
+
+    def due(self, iteration):
+        return bool(self.every_iterations) and iteration % self.every_iterations == 0
+
+    def save(self, progress, results):
+        """Writes a checkpoint of the engine, PROGRESS and RESULTS; returns its path.
+
+        Nothing is written when the last save was of the same progress. Numbers only grow, so an
+        existing checkpoint is never overwritten (which would not be atomic)."""
+        state = dataclasses.asdict(progress)
+        if self.last_saved is not None and state == self._last_state:
+            return self.last_saved
+        record = dict(self.base_record, format=FORMAT, progress=state,
+                      results={"evaluations": results.evaluations, "extra": results.extra})
+        self._record.assign(json.dumps(json_safe(record)))
+        numbers = [int(p.rsplit("-", 1)[1]) for p in self.manager.checkpoints]
+        self.last_saved = self.manager.save(checkpoint_number=max(numbers, default=0) + 1)
+        self._last_state = state
+        return self.last_saved
+
+    def restore(self, path, results):
+        """Loads the checkpoint at PATH into the engine and RESULTS; returns its Progress."""
+        record = read_record(path)
+        try:
+            self.checkpoint.read(path).assert_existing_objects_matched()
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot be restored into this model and strategy "
+                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        saved = record["results"]
+        results.evaluations[:] = saved["evaluations"]
+        results.extra.update(saved["extra"])
+        self.engine.write_center_to_model()
+        self.last_saved, self._last_state = path, record["progress"]
+        return Progress(**record["progress"])
+
+    def restore_newest(self, results, log=print):
+        """Restores the newest checkpoint that loads (passing over damaged ones); (path, Progress)."""
+        problems = []
+        for path in checkpoint_paths(self.directory):
+            try:
+                return path, self.restore(path, results)
+            except CheckpointError as e:
+                problems.append(str(e))
+                log(f"skipping {e}")
+        raise CheckpointError(f"{self.directory}: no usable checkpoint"
+                              + (f" ({problems[0]})" if problems else ""))

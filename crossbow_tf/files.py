@@ -1,0 +1,52 @@
+"""Output files: checked for writability before a run starts, written atomically after it.
+
+Imports no TensorFlow: the command lines check their outputs before TensorFlow starts.
+"""
+import os
+import tempfile
+
+from crossbow_tf.errors import CrossbowError
+
+
+class OutputError(CrossbowError):
+    """An output path cannot be written (exists, is not a directory, no permission)."""
+
+
+def check_writable(path, *, force=False, what="output file"):
+    """Raises OutputError unless PATH can be created (or, with FORCE, replaced) as a file.
+
+    Nothing is created: the nearest existing directory on the way must be writable; the missing
+    ones are made when the file is written.
+    """
+    if os.path.isdir(path):
+        raise OutputError(f"{path}: is a directory; give the {what} a file name")
+    if os.path.lexists(path) and not force:
+        raise OutputError(f"{path}: {what} exists; choose a new name or pass --force")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{path}: cannot create the {what}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{path}: cannot create the {what}: no permission to write in {parent}")
+
+
+def atomic_write_text(path, text):
+    """Writes TEXT to PATH so that PATH is either its old self or complete, never half written.
+
+    The temporary file is made by tempfile in PATH's own directory (so os.replace is atomic) under
+    a name that cannot collide with a user's file.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -1,0 +1,32 @@
+"""`python tests/bn_dropout_run.py ARGS...`: `python -m crossbow_tf.run ARGS...` with one more model,
+``bn_dropout`` (convolution, BatchNorm, Dropout), so that checkpoint tests can kill and resume a
+real training process whose learners have BatchNorm statistics and Dropout seed state."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from crossbow_tf import run  # noqa: E402
+from crossbow_tf.models import MODELS  # noqa: E402
+
+
+def bn_dropout(input_shape, num_classes):
+    import keras
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input(input_shape),
+        layers.Conv2D(8, 5, strides=2, use_bias=False),
+        layers.BatchNormalization(),
+        layers.Activation("relu"),
+        layers.Flatten(),
+        layers.Dense(32, use_bias=False),
+        layers.BatchNormalization(),
+        layers.ReLU(),
+        layers.Dropout(0.3),
+        layers.Dense(num_classes),
+    ], name="bn_dropout")
+
+
+if __name__ == "__main__":
+    MODELS["bn_dropout"] = bn_dropout
+    sys.exit(run.main())
