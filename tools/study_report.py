@@ -199,7 +199,12 @@ def verdict(spec, cells, stats, bench):
         projected = (e_s / e_m if e_s not in (None, float("inf")) and e_m not in (None, float("inf")) else None)
         tta.append((g, measured, projected, e_s, e_m))
     have = [t for t in tta if t[1] is not None or t[2] is not None]
-    if not have:
+    if have and not any(g == large and (m is not None or p is not None) for g, m, p, _, _ in tta):
+        rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G", "not yet measured",
+                     "; ".join(f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) "
+                               f"{harness.fmt(p)}" for g, m, p, _, _ in have),
+                     f"the claim is about large G; G={large} has not finished"))
+    elif not have:
         rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD", "not yet measured", "–", "points not finished"))
     else:
         text = "; ".join(f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) {harness.fmt(p)}"
