@@ -174,3 +174,16 @@ def test_data_dir_reaches_every_run_of_every_tool(tmp_path):
                           "--learners", "4", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "apply to the one-grid sweep form" in bad.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_a_finished_run_is_reused_when_only_defaults_were_added():
+    import harness
+    full, _ = harness.run_config(EXPERIMENT, {"tf_ssgd": {}}, "tf_ssgd", {}, seed=0, target=0.5, epochs=2, where="t")
+    new = yaml.safe_dump(dict(full, tf_ssgd={"lr_scaling": "linear"}), sort_keys=False)
+    older = dict(full, tf_ssgd={"lr_scaling": "linear"})
+    del older["collapse_epochs"], older["learner_diagnostics"]       # keys a later version added, at their defaults
+    assert harness.same_run(yaml.safe_dump(older, sort_keys=False), new)
+    changed = dict(older, seed=1)
+    assert not harness.same_run(yaml.safe_dump(changed, sort_keys=False), new)
+    assert not harness.same_run(yaml.safe_dump(dict(older, tf_ssgd={}), sort_keys=False), new)
+    assert not harness.same_run("model: [", new)

@@ -336,6 +336,26 @@ class RunRecord:
     load_before: tuple = None      # 1/5/15-minute load averages when the run started
 
 
+def _normal_form(text):
+    """A run's YAML with every default filled in, so that keys added later with their default
+    values do not make a finished run look different; None when it no longer validates."""
+    try:
+        mapping = yaml.safe_load(text) or {}
+        experiment, sections = split_sections(mapping)
+        return (config_lib.to_dict(config_lib.from_dict(experiment)),
+                parse_tf_ssgd_options(sections["tf_ssgd"]) if "tf_ssgd" in mapping else None)
+    except (ConfigError, yaml.YAMLError, AttributeError, TypeError):
+        return None
+
+
+def same_run(old_text, new_text):
+    """True when two run configs describe the same run (equal text, or equal with defaults filled in)."""
+    if old_text == new_text:
+        return True
+    old = _normal_form(old_text)
+    return old is not None and old == _normal_form(new_text)
+
+
 EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+test accuracy ([0-9.]+).*?time\s+([0-9.]+)s")
 
 
@@ -368,7 +388,7 @@ class Runner:
         unchanged = False
         if self.resume and os.path.exists(paths["yaml"]):
             with open(paths["yaml"]) as f:
-                unchanged = f.read() == text
+                unchanged = same_run(f.read(), text)
         if unchanged and os.path.exists(paths["json"]):
             record = self._record(label, seed, paths["json"], target, 0.0, None)
             if record.summary is not None:
