@@ -217,9 +217,8 @@ class Engine:
             y = tf.cast(y, tf.float32)
         rows = x.shape[0]
         if rows is None or rows == 0 or rows % k:
-            what = "this worker's rows are D*m*b" if local else "a global batch is k*b rows"
-            raise ValueError(f"Engine.train_step: x has {rows} rows; {what} "
-                             f"({k} learners, b examples each)")
+            what = "this worker's rows are D*m*b rows (D*m" if local else "a global batch is k*b rows (k"
+            raise ValueError(f"Engine.train_step: x has {rows} rows; {what} = {k} learners, b examples each)")
         if y.shape[0] != rows:
             raise ValueError(f"Engine.train_step: y has {y.shape[0]} rows, x has {rows}")
         mask = tf.ones([rows], tf.float32) if mask is None else tf.cast(mask, tf.float32)
