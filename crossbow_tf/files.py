@@ -31,8 +31,9 @@ def check_writable(path, *, force=False, what="output file"):
         raise OutputError(f"{path}: cannot create the {what}: no permission to write in {parent}")
 
 
-def atomic_write_text(path, text):
-    """Writes TEXT to PATH so that PATH is either its old self or complete, never half written.
+def atomic_write(path, write, binary=False):
+    """Calls WRITE(file) on a new file that then replaces PATH, so that PATH is either its old self
+    or complete, never half written.
 
     The temporary file is made by tempfile in PATH's own directory (so os.replace is atomic) under
     a name that cannot collide with a user's file.
@@ -41,8 +42,8 @@ def atomic_write_text(path, text):
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -50,3 +51,8 @@ def atomic_write_text(path, text):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def atomic_write_text(path, text):
+    """Writes TEXT to PATH atomically (see atomic_write)."""
+    atomic_write(path, lambda f: f.write(text))

@@ -9,7 +9,6 @@ callbacks all see z without knowing about learners.
 import contextlib
 import math
 import os
-import tempfile
 import warnings
 import zipfile
 
@@ -435,18 +434,8 @@ class CrossbowTraining:
 
     def save_state(self, path):
         """Writes the learners and z to PATH atomically: a crash leaves the previous file or the new one."""
-        directory, name = os.path.split(os.path.abspath(path))
-        handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)   # cannot collide
-        try:
-            with os.fdopen(handle, "wb") as f:
-                np.savez(f, *[v.numpy() for v in self.state_variables()])
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        from crossbow_tf.files import atomic_write
+        atomic_write(path, lambda f: np.savez(f, *[v.numpy() for v in self.state_variables()]), binary=True)
 
     def load_state(self, path):
         """Restores the learners and z saved by ``save_state`` if they belong to the model's current z."""
