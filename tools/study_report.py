@@ -159,7 +159,7 @@ def verdict(spec, cells, stats, bench):
         return "not reached" if e == float("inf") else ("–" if e is None else f"{e:g}")
     rows = []
     s_small, _ = best(ssgd, small)
-    s_large, s_large_name = best(ssgd, large)
+    s_large, _ = best(ssgd, large)
     if s_small is None or s_large is None:
         rows.append(("S-SGD's epochs to target grow with G (its rate tuned)", "not yet measured",
                      f"G={small}: {show(s_small)}, G={large}: {show(s_large)}", "the study has not finished these points"))
