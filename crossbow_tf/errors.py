@@ -29,14 +29,16 @@ class TrainingStopped(Exception):
 class TrainingInterrupted(TrainingStopped):
     """SIGINT or SIGTERM stopped training at an iteration boundary (after writing a checkpoint)."""
 
-    def __init__(self, signum, checkpoint=None, iteration=None, epoch=None):
+    def __init__(self, signum, checkpoint=None, iteration=None, epoch=None, elsewhere=False):
+        """ELSEWHERE: the signal came to another worker of the cluster (SIGNUM stands for it)."""
         import signal
         self.signum, self.checkpoint, self.iteration, self.epoch = signum, checkpoint, iteration, epoch
         self.signal_name = signal.Signals(signum).name
         self.exit_code = 128 + signum
         where = f" at iteration {iteration} (epoch {epoch})" if iteration is not None else ""
         saved = f"; checkpoint {checkpoint}" if checkpoint else "; no checkpoint written"
-        super().__init__(f"stopped by {self.signal_name}{where}{saved}")
+        cause = "a stop signal to another worker" if elsewhere else self.signal_name
+        super().__init__(f"stopped by {cause}{where}{saved}")
 
 
 class TrainingDiverged(TrainingStopped):

@@ -66,7 +66,7 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
     return tuning
 
 
-def find_resume_point(cfg, resume, log=print):
+def find_resume_point(cfg, resume, log=print, workers=1):
     """(path, record) of the checkpoint CFG's run continues from, or None to start afresh.
 
     Refuses (CheckpointError, one line) a directory holding another run's checkpoints without
@@ -88,10 +88,33 @@ def find_resume_point(cfg, resume, log=print):
     if not resume:
         raise CheckpointError(f"{directory}: holds checkpoints of a run ({path}); pass --resume to continue it, "
                               "or choose another checkpoint directory")
+    saved_workers = record.get("workers", 1)
+    if saved_workers != workers:
+        raise CheckpointError(f"{path}: written by a run on {saved_workers} worker(s), this one has {workers}: "
+                              "resume on the cluster that wrote it")
     differences = trajectory_differences(record.get("config", {}), to_dict(cfg))
     if differences:
         raise CheckpointError(f"{path}: written with a different configuration: {'; '.join(differences)}")
     return newest
+
+
+def chief_resume_point(cfg, resume, log, cluster):
+    """``find_resume_point`` on several workers: the chief looks at its checkpoint directory and
+    every worker follows its decision (or stops with its error)."""
+    import json
+
+    from crossbow_tf.errors import CheckpointError
+    outcome = {}
+    if cluster.is_chief:
+        try:
+            found = find_resume_point(cfg, resume, log, workers=cluster.num_workers)
+            outcome = dict(path=found[0], record=found[1]) if found else {}
+        except CheckpointError as e:
+            outcome = dict(error=str(e))
+    outcome = json.loads(cluster.text_from_chief(json.dumps(outcome)))
+    if "error" in outcome:
+        raise CheckpointError(outcome["error"])
+    return (outcome["path"], outcome["record"]) if outcome else None
 
 
 def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None):
@@ -102,18 +125,18 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None
     CLUSTER (crossbow_tf.distribute.cluster.Cluster) trains on several workers, each running this
     same call: only the chief logs to LOG, the others log to stderr with a worker prefix.
     """
-    if cluster is not None and (cfg.checkpoint.dir or resume):
-        # The checkpoints hold one process's learners; several workers would need every worker's.
-        raise ConfigError("checkpoints (checkpoint.dir, --resume) are not supported on several workers yet")
     if cfg.on_divergence == "rollback" and not cfg.checkpoint.dir:
         raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: "
                           "give checkpoint.dir (--checkpoint-dir)")
     # Before the devices: a checkpoint that cannot be resumed is refused before TensorFlow starts work.
-    resume_point = find_resume_point(cfg, resume, log) if cfg.checkpoint.dir else None
+    # (On several workers only the chief has the checkpoints: it decides once the workers are up.)
+    resume_point = find_resume_point(cfg, resume, log) if cfg.checkpoint.dir and cluster is None else None
     devices = make_devices(cfg, cluster)   # first to touch the devices: it fixes TensorFlow's device list
     if cluster is not None:
         log = cluster.log_function(log)
         with cluster.guard():
+            if cfg.checkpoint.dir:
+                resume_point = chief_resume_point(cfg, resume, log, cluster)
             return _run(cfg, devices, log, resume_point, stop_signals, cluster)
     return _run(cfg, devices, log, resume_point, stop_signals, None)
 
@@ -171,7 +194,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
         c = cfg.checkpoint
         checkpoints = Checkpoints(c.dir, engine, every_iterations=c.every_iterations, at_epoch_end=c.at_epoch_end,
                                   max_to_keep=c.max_to_keep)
-        checkpoints.base_record = dict(config=to_dict(cfg), learners_per_device=strategy.learners_per_device)
+        checkpoints.base_record = dict(config=to_dict(cfg), learners_per_device=strategy.learners_per_device,
+                                       workers=strategy.num_workers)
     if resume_point is not None:
         path, progress = checkpoints.restore_newest(results, log=log)
         results.extra.setdefault("resumed_at_iterations", []).append(progress.iteration)

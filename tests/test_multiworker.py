@@ -6,6 +6,7 @@ that dies, hangs or never starts) must stop the others with one clear error with
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,7 +151,8 @@ def test_a_lost_worker_stops_the_other_with_one_clear_error(failure):
         wait_for_line(chief, "stdout", "epoch   1/50", timeout=START_UP + 120)
         lost_at = time.monotonic()
         if failure == "dies":
-            worker.send_signal(signal.SIGTERM)   # TensorFlow's collectives do not block a termination
+            # (SIGTERM is a clean stop of the whole cluster: see the checkpoint tests below.)
+            worker.send_signal(signal.SIGKILL)
             worker.wait(timeout=10)
         else:
             worker.send_signal(signal.SIGSTOP)
@@ -227,15 +229,114 @@ def test_worker_timeout_must_be_positive(monkeypatch):
         cluster_lib.from_environment(timeout=0)
 
 
-def test_checkpoints_are_refused_on_several_workers(monkeypatch, tmp_path):
-    from crossbow_tf import config as config_lib
-    from crossbow_tf.distribute import cluster as cluster_lib
-    from crossbow_tf.errors import ConfigError
-    from crossbow_tf.experiment import run_experiment
-    from crossbow_tf.run import DEFAULT_CONFIG
-    monkeypatch.setenv("TF_CONFIG", local_tf_configs(2)[0])
-    cfg = config_lib.to_dict(config_lib.load_config(DEFAULT_CONFIG))
-    cfg["checkpoint"]["dir"] = str(tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match="not supported on several workers"):
-        run_experiment(config_lib.from_dict(cfg), cluster=cluster_lib.from_environment())
-    assert not (tmp_path / "ckpt").exists()
+# ------------------------------------------------------------------------ checkpoints and resume
+def checkpointed_config(path, epochs=4):
+    """LeNet on the embedded digits, 2 devices x 2 learners of 8 per worker: 62 iterations per epoch
+    on 2 workers; a checkpoint every 20 iterations and at every epoch's end."""
+    settings = dict(name="multiworker-checkpoints", model="lenet", data={"name": "mnist_embedded"},
+                    devices={"logical_cpu": 2}, learners_per_device=2, batch_size=8,
+                    learning_rate={"base": 0.02}, epochs=epochs, seed=4,
+                    checkpoint={"every_iterations": 20})
+    path.write_text(json.dumps(settings))   # JSON is YAML
+    return str(path)
+
+
+def run_cluster(config, ckpt, workdirs, *extra, signal_worker=None, after=None):
+    """Runs both workers of a fresh 2-worker cluster (worker i in WORKDIRS[i]) to the end; with
+    SIGNAL_WORKER, sends it SIGTERM once the chief has printed AFTER. Returns [(code, out, err)]."""
+    configs, _ = cluster_configs(2)
+    args = run_args("--config", config, "--checkpoint-dir", ckpt, "--results", "run.json", *extra)
+    procs = [start(args, configs[i], cwd=workdirs[i]) for i in range(2)]
+    try:
+        lines = []
+        if signal_worker is not None:
+            lines = wait_for_line(procs[0], "stdout", after, timeout=START_UP + 120)
+            procs[signal_worker].send_signal(signal.SIGTERM)
+        outcomes = [finish(p, timeout=START_UP + 240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(code, ("".join(lines) if i == 0 else "") + out, err) for i, (code, out, err) in enumerate(outcomes)]
+
+
+def checkpoint_tensors(directory):
+    """Every tensor of the newest checkpoint in DIRECTORY but its record."""
+    import tensorflow as tf
+    from crossbow_tf.engine.checkpoint import checkpoint_paths
+    reader = tf.train.load_checkpoint(checkpoint_paths(directory)[0])
+    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+            if "/.ATTRIBUTES/" in k and not k.startswith(("record/", "save_counter/"))}
+
+
+def test_sigterm_to_one_worker_stops_the_cluster_with_the_chiefs_checkpoint_and_resume_is_bit_identical(tmp_path):
+    config = checkpointed_config(tmp_path / "run.yaml")
+    dirs = {name: [tmp_path / name / "w0", tmp_path / name / "w1"] for name in ("reference", "stopped")}
+    for d in dirs["reference"] + dirs["stopped"]:
+        d.mkdir(parents=True)
+    # Uninterrupted.
+    for code, _, err in run_cluster(config, "ckpt", dirs["reference"]):
+        assert code == 0, err[-3000:]
+    # SIGTERM to worker 1 (not the chief) during epoch 2: both stop after the same iteration, the
+    # chief writes a checkpoint holding both workers' learners, and both say how to continue.
+    (code0, out0, err0), (code1, _, err1) = run_cluster(config, "ckpt", dirs["stopped"], signal_worker=1,
+                                                        after="epoch   1/4")
+    assert (code0, code1) == (143, 143), err0[-2000:] + err1[-2000:]
+    stopped0 = [line for line in err0.splitlines() if line.startswith("crossbow_tf: stopped")]
+    stopped1 = [line for line in err1.splitlines() if line.startswith("crossbow_tf: stopped")]
+    assert len(stopped0) == len(stopped1) == 1, err0[-2000:] + err1[-2000:]
+    iteration = re.search(r"at iteration (\d+) \(epoch 2\)", stopped0[0])
+    assert iteration and f"at iteration {iteration.group(1)} (epoch 2)" in stopped1[0]
+    assert "stopped by a stop signal to another worker" in stopped0[0] and "/ckpt-" in stopped0[0]
+    assert "stopped by SIGTERM" in stopped1[0] and "the chief's checkpoint" in stopped1[0]
+    assert "--resume" in stopped0[0] and "--resume" in stopped1[0]
+    assert list(dirs["stopped"][1].iterdir()) == []   # worker 1 wrote nothing
+    checkpoint = checkpoint_tensors(dirs["stopped"][0] / "ckpt")
+    # 2 workers x 2 devices: four devices' learners (stacks of 2), one z per device of the chief.
+    assert {k.split("/")[1] for k in checkpoint if k.startswith("weights/")} == {"0", "1", "2", "3"}
+    assert {k.split("/")[1] for k in checkpoint if k.startswith("center/")} == {"0", "1"}
+    halted = checkpoint
+    # Restarted without --resume: the chief refuses, and both workers stop with its message.
+    for code, _, err in run_cluster(config, "ckpt", dirs["stopped"]):
+        assert code == 2 and "holds checkpoints of a run" in err and "pass --resume" in err, err[-2000:]
+    # Worker 1's learners were gathered to the chief: they differ from worker 0's.
+    assert not np.array_equal(halted["weights/0/0/.ATTRIBUTES/VARIABLE_VALUE"],
+                              halted["weights/2/0/.ATTRIBUTES/VARIABLE_VALUE"])
+    # One process cannot continue a cluster's checkpoint.
+    single = start(["-m", "crossbow_tf.run", "--config", config, "--checkpoint-dir", "ckpt", "--resume"],
+                   cwd=dirs["stopped"][0])
+    code, _, err = finish(single, timeout=120)
+    assert code == 2 and "written by a run on 2 worker(s), this one has 1" in err, err[-2000:]
+    # Resumed on a fresh cluster: the same final state, bit for bit, and the same results.
+    outcomes = run_cluster(config, "ckpt", dirs["stopped"], "--resume")
+    for code, _, err in outcomes:
+        assert code == 0, err[-3000:]
+    assert f"resuming from" in outcomes[0][1] and f"iteration {iteration.group(1)}" in outcomes[0][1]
+    assert f"[worker 1] resuming from" in outcomes[1][2]
+    final, reference = checkpoint_tensors(dirs["stopped"][0] / "ckpt"), checkpoint_tensors(dirs["reference"][0] / "ckpt")
+    assert sorted(final) == sorted(reference)
+    for key in final:
+        assert final[key].tobytes() == reference[key].tobytes(), f"{key} differs"
+    ours = json.loads((dirs["stopped"][0] / "run.json").read_text())["evaluations"]
+    theirs = json.loads((dirs["reference"][0] / "run.json").read_text())["evaluations"]
+    assert [(e["accuracy"], e["loss"]) for e in ours] == [(e["accuracy"], e["loss"]) for e in theirs]
+    assert len(ours) == 4
+
+
+def test_divergence_rolls_back_every_worker_alike_from_the_chiefs_checkpoint(tmp_path):
+    # At 1e6 halving three times is not enough: every worker rolls back three times (each time the
+    # chief reads its checkpoint and sends it to the other), then both stop with exit 3.
+    config = tmp_path / "run.yaml"
+    settings = json.loads(open(checkpointed_config(config)).read())
+    settings["learning_rate"]["base"] = 1000000.0
+    config.write_text(json.dumps(settings))
+    dirs = [tmp_path / "w0", tmp_path / "w1"]
+    for d in dirs:
+        d.mkdir()
+    (code0, out0, err0), (code1, _, err1) = run_cluster(str(config), "ckpt", dirs, "--on-divergence", "rollback")
+    assert (code0, code1) == (3, 3), err0[-2000:] + err1[-2000:]
+    scales0 = re.findall(r"learning rate scaled by (\S+) \(roll-back", out0)
+    scales1 = re.findall(r"\[worker 1\] .*learning rate scaled by (\S+) \(roll-back", err1)
+    assert scales0 == scales1 == ["0.5", "0.25", "0.125"], out0[-2000:] + err1[-2000:]
+    for err in (err0, err1):
+        assert "diverged after 3 roll-back(s): not finite at iteration" in err and "Traceback" not in err
+    assert list(dirs[1].iterdir()) == [] and (dirs[0] / "ckpt").is_dir()

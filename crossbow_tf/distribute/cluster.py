@@ -36,6 +36,14 @@ class ClusterError(CrossbowError):
     exit_code = 4
 
 
+def _by_dtype(arrays):
+    """Indices of ARRAYS grouped by dtype: one collective per dtype."""
+    groups = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(a.dtype.str, []).append(i)
+    return groups
+
+
 def _device_type(device):
     return "GPU" if "GPU" in device.upper() else "CPU"
 
@@ -156,12 +164,26 @@ class Cluster:
             ordering_token=ordering_token)
 
     def _eager_reduce(self, array, merge_op):
-        """ARRAY reduced over the workers, waiting as long as every peer is alive.
+        """ARRAY reduced over the workers, waiting as long as every peer is alive (see _eager)."""
+        import tensorflow as tf
+        return self._eager(lambda key, device: self.all_reduce(tf.constant(array), key, device, merge_op=merge_op,
+                                                               timeout=0))
 
-        These reductions follow uneven local work (each worker's auto-tuning, the chief's
-        evaluation) that can outlast the worker timeout. So the collective waits without a bound
-        in a thread while this one probes the peers every few seconds: a peer that stops
-        answering (dead, or hung for the probe's 2 s) aborts the wait and is named."""
+    def _eager_gather(self, array):
+        """ARRAY (1-D, the same length on every worker) of every worker, concatenated in worker order."""
+        import tensorflow as tf
+        from tensorflow.python.ops import collective_ops
+        return self._eager(lambda key, device: collective_ops.all_gather_v2(
+            tf.constant(array), group_size=self.num_workers, group_key=self.group_key(device),
+            instance_key=key, timeout=0))
+
+    def _eager(self, collective):
+        """COLLECTIVE(instance_key, device)'s value as a NumPy array, waiting as long as every peer is alive.
+
+        These collectives follow uneven local work (each worker's auto-tuning, the chief's
+        evaluation or checkpoint) that can outlast the worker timeout. So the collective waits
+        without a bound in a thread while this one probes the peers every few seconds: a peer that
+        stops answering (dead, or hung for the probe's 2 s) aborts the wait and is named."""
         import threading
 
         import tensorflow as tf
@@ -170,15 +192,14 @@ class Cluster:
         key = self.next_instance_key()
         outcome = {}
 
-        def reduce():
+        def run():
             try:
                 with tf.device(device):
-                    outcome["value"] = self.all_reduce(tf.constant(array), key, device, merge_op=merge_op,
-                                                       timeout=0).numpy()
+                    outcome["value"] = collective(key, device).numpy()
             except Exception as e:   # handed to the waiting thread
                 outcome["error"] = e
 
-        thread = threading.Thread(target=reduce, daemon=True)
+        thread = threading.Thread(target=run, daemon=True)
         thread.start()
         thread.join(_PROBE_MS / 1000)
         while thread.is_alive():
@@ -211,11 +232,8 @@ class Cluster:
         arrays = [np.asarray(a) for a in arrays]
         if not arrays:
             return []
-        by_dtype = {}
-        for i, a in enumerate(arrays):
-            by_dtype.setdefault(a.dtype.str, []).append(i)
         out = [None] * len(arrays)
-        for indices in by_dtype.values():
+        for indices in _by_dtype(arrays).values():
             flat = np.concatenate([arrays[i].ravel() for i in indices])
             if not self.is_chief:
                 flat = np.zeros_like(flat)
@@ -226,6 +244,34 @@ class Cluster:
                 out[i] = flat[offset:offset + size].reshape(arrays[i].shape)
                 offset += size
         return out
+
+    def agree_any(self, flag):
+        """Whether FLAG is true on any worker."""
+        return bool(self._eager_reduce(np.array([int(bool(flag))], np.int64), "Max")[0])
+
+    def gather(self, arrays):
+        """Every worker's ARRAYS (the same shapes and dtypes on every worker), on every worker: one
+        array per entry with a leading axis of workers, in worker order."""
+        arrays = [np.asarray(a) for a in arrays]
+        out = [None] * len(arrays)
+        for indices in _by_dtype(arrays).values():
+            flat = np.concatenate([arrays[i].ravel() for i in indices])
+            gathered = self._eager_gather(flat).reshape(self.num_workers, flat.size)
+            offset = 0
+            for i in indices:
+                size = arrays[i].size
+                out[i] = gathered[:, offset:offset + size].reshape((self.num_workers,) + arrays[i].shape)
+                offset += size
+        return out
+
+    def text_from_chief(self, text):
+        """The chief's TEXT (a str; the others pass anything) on every worker."""
+        data = np.frombuffer(text.encode(), np.uint8).astype(np.int32) if self.is_chief else np.zeros(0, np.int32)
+        size = self.broadcast_from_chief([np.array([data.size], np.int64)])[0][0]
+        if not self.is_chief:
+            data = np.zeros(int(size), np.int32)
+        data = self.broadcast_from_chief([data])[0] if size else data
+        return data.astype(np.uint8).tobytes().decode()
 
     def on_chief(self, function, num_values):
         """FUNCTION run on the chief only, its result (NUM_VALUES floats) given to every worker (who

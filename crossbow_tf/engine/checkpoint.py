@@ -110,22 +110,51 @@ def newest_record(directory, log=print):
     return None
 
 
+def _same_progress(state, other):
+    """Whether two Progress dicts are at the same point (the times aside: each worker has its own)."""
+    def point(progress):
+        return {k: v for k, v in (progress or {}).items() if k not in ("train_time", "epoch_time")}
+    return other is not None and point(state) == point(other)
+
+
 class Checkpoints:
-    """Saves and restores ENGINE's complete state with a run's record in DIRECTORY."""
+    """Saves and restores ENGINE's complete state with a run's record in DIRECTORY.
+
+    On several workers only the chief writes and reads DIRECTORY. Its checkpoint holds every
+    worker's learners: at a save each worker's learners are gathered to the chief (a collective of
+    TensorFlow's, every worker calling ``save`` at the same point, as they do in lock-step), and
+    listed by global device (worker w's device d is device w*D + d, the order of the learners).
+    At a restore the chief reads the checkpoint and sends z, u and each worker's learners to every
+    worker."""
 
     def __init__(self, directory, engine, *, every_iterations=None, at_epoch_end=True, max_to_keep=3):
         self.directory, self.engine = directory, engine
         self.every_iterations, self.at_epoch_end = every_iterations, at_epoch_end
+        self.cluster = engine.strategy.cluster
+        self.writes = self.cluster is None or self.cluster.is_chief
+        e = engine
+        groups = dict(weights=e.weights, velocities=e.velocities, states=e.states)   # each a list over devices
+        # This worker's learner variables, in one fixed order (the order of the gather).
+        self._local = [v for group in groups.values() for device in group for v in device]
+        self._others = []   # on the chief: per other worker, variables mirroring its learners
+        if self.cluster is not None and self.writes:
+            with tf.device("/CPU:0"):
+                mirrors = [{name: [[tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in device]
+                                   for device in group] for name, group in groups.items()}
+                           for _ in range(1, self.cluster.num_workers)]
+            self._others = [[v for group in m.values() for device in group for v in device] for m in mirrors]
+            groups = {name: group + [device for m in mirrors for device in m[name]] for name, group in groups.items()}
+        self.base_record = {}   # the run's fixed part: configuration, learners per device, workers
+        self.last_saved, self._last_state = None, None
+        if not self.writes:
+            return
         with tf.device("/CPU:0"):
             self._record = tf.Variable("", dtype=tf.string, trainable=False)
-        e = engine
         self.checkpoint = tf.train.Checkpoint(
             center=e.center, center_velocity=e.center_velocity, center_states=e.center_states,
-            weights=e.weights, velocities=e.velocities, states=e.states, record=self._record)
+            record=self._record, **groups)
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep,
                                                   checkpoint_name=CHECKPOINT_NAME)
-        self.base_record = {}   # the run's fixed part: configuration, learners per device
-        self.last_saved, self._last_state = None, None
 
     def due(self, iteration):
         return bool(self.every_iterations) and iteration % self.every_iterations == 0
@@ -134,26 +163,44 @@ class Checkpoints:
         """Writes a checkpoint of the engine, PROGRESS and RESULTS; returns its path.
 
         Nothing is written when the last save was of the same progress. Numbers only grow, so an
-        existing checkpoint is never overwritten (which would not be atomic)."""
+        existing checkpoint is never overwritten (which would not be atomic). On several workers
+        every worker calls this at the same point; only the chief writes."""
         state = dataclasses.asdict(progress)
-        if self.last_saved is not None and state == self._last_state:
+        if self.last_saved is not None and _same_progress(state, self._last_state):
             return self.last_saved
-        record = dict(self.base_record, format=FORMAT, progress=state,
-                      results={"evaluations": results.evaluations, "extra": results.extra})
-        self._record.assign(json.dumps(json_safe(record)))
-        numbers = [int(p.rsplit("-", 1)[1]) for p in self.manager.checkpoints]
-        self.last_saved = self.manager.save(checkpoint_number=max(numbers, default=0) + 1)
+        if self.cluster is not None:
+            # Every worker's learners to the chief. (All of them reach every worker: TensorFlow's
+            # collectives have no gather to one; checkpoints are rare.)
+            gathered = self.cluster.gather([v.numpy() for v in self._local])
+            for worker, variables in enumerate(self._others, start=1):
+                for variable, values in zip(variables, gathered):
+                    variable.assign(values[worker])
+        if self.writes:
+            record = dict(self.base_record, format=FORMAT, progress=state,
+                          results={"evaluations": results.evaluations, "extra": results.extra})
+            self._record.assign(json.dumps(json_safe(record)))
+            numbers = [int(p.rsplit("-", 1)[1]) for p in self.manager.checkpoints]
+            self.last_saved = self.manager.save(checkpoint_number=max(numbers, default=0) + 1)
+        else:
+            self.last_saved = "the chief's checkpoint"
         self._last_state = state
         return self.last_saved
 
     def restore(self, path, results):
-        """Loads the checkpoint at PATH into the engine and RESULTS; returns its Progress."""
+        """Loads the checkpoint at PATH into the engine and RESULTS; returns its Progress (one process;
+        on several workers use ``restore_newest``)."""
         record = read_record(path)
+        self._read(path)
+        return self._adopt(path, record, results)
+
+    def _read(self, path):
         try:
             self.checkpoint.read(path).assert_existing_objects_matched()
         except Exception as e:
             raise CheckpointError(f"{path}: cannot be restored into this model and strategy "
                                   f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+    def _adopt(self, path, record, results):
         saved = record["results"]
         results.evaluations[:] = saved["evaluations"]
         results.extra.update(saved["extra"])
@@ -161,14 +208,50 @@ class Checkpoints:
         self.last_saved, self._last_state = path, record["progress"]
         return Progress(**record["progress"])
 
-    def restore_newest(self, results, log=print):
-        """Restores the newest checkpoint that loads (passing over damaged ones); (path, Progress)."""
+    def _read_newest(self, log):
+        """(path, record) of the newest checkpoint that loads (passing over damaged ones)."""
         problems = []
         for path in checkpoint_paths(self.directory):
             try:
-                return path, self.restore(path, results)
+                record = read_record(path)
+                self._read(path)
+                return path, record
             except CheckpointError as e:
                 problems.append(str(e))
                 log(f"skipping {e}")
         raise CheckpointError(f"{self.directory}: no usable checkpoint"
                               + (f" ({problems[0]})" if problems else ""))
+
+    def restore_newest(self, results, log=print):
+        """Restores the newest checkpoint that loads (passing over damaged ones); (path, Progress).
+        On several workers every worker calls this at the same point: the chief reads, and every
+        worker continues from what it read (or stops with its error)."""
+        if self.cluster is None:
+            path, record = self._read_newest(log)
+            return path, self._adopt(path, record, results)
+        outcome = {}
+        if self.writes:
+            try:
+                path, record = self._read_newest(log)
+                outcome = dict(path=path, record=record)
+            except CheckpointError as e:
+                outcome = dict(error=str(e))
+        outcome = json.loads(self.cluster.text_from_chief(json.dumps(outcome)))
+        if "error" in outcome:
+            raise CheckpointError(outcome["error"])
+        self._receive_from_chief()
+        return outcome["path"], self._adopt(outcome["path"], outcome["record"], results)
+
+    def _receive_from_chief(self):
+        """The chief's z, u and every worker's learners as it restored them: each worker keeps its own."""
+        e, cluster = self.engine, self.cluster
+        center = e.center[0] + e.center_velocity[0] + e.center_states[0]
+        learners = [self._local] + self._others if self.writes else [self._local] * cluster.num_workers
+        arrays = cluster.broadcast_from_chief([v.numpy() for v in center + [v for w in learners for v in w]])
+        center_values, arrays = arrays[:len(center)], arrays[len(center):]
+        for d in range(e.strategy.num_devices):
+            for variable, values in zip(e.center[d] + e.center_velocity[d] + e.center_states[d], center_values):
+                variable.assign(values)
+        own = cluster.worker_index * len(self._local)
+        for variable, values in zip(self._local, arrays[own:own + len(self._local)]):
+            variable.assign(values)

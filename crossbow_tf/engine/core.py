@@ -168,6 +168,9 @@ class Engine:
         # loss it returned says something was not.
         with tf.device(strategy.devices[0]):
             self._finite = tf.Variable(tf.ones([2], tf.bool), trainable=False, name="finite")
+            if self._cross_worker is not None:
+                self._stop_vote = tf.Variable(0.0, trainable=False, name="stop_vote")
+                self._stop_votes = tf.Variable(0.0, trainable=False, name="stop_votes")
 
     def _learner_states(self, state, is_float, device_index):
         m = self.strategy.learners_per_device
@@ -270,7 +273,10 @@ class Engine:
         loss_sum = tf.reduce_sum(tf.stack([l["loss_sum"] for l in local]))
         if self._cross_worker is not None:
             # The worker's sums from its first device, with the loss sum: one all-reduce per iteration.
-            *totals, loss_sum = self._cross_worker(reduced[0] + [loss_sum])
+            # A worker's request to stop (a signal it received) travels in it too, so that every
+            # worker stops after the same iteration.
+            *totals, loss_sum, stop_votes = self._cross_worker(reduced[0] + [loss_sum, self._stop_vote.read_value()])
+            self._stop_votes.assign(stop_votes)
             reduced = [totals] * D
         n_weights = len(self.center[0])
         k = float(self.num_learners)
@@ -330,6 +336,15 @@ class Engine:
             for i, total in zip(group, group_sums):
                 sums[i] = total
         return sums
+
+    def vote_stop(self):
+        """On several workers: asks every worker to stop after the next step (this worker received
+        a stop signal). The vote travels in that step's cross-worker all-reduce."""
+        self._stop_vote.assign(1.0)
+
+    def stop_voted(self):
+        """On several workers: whether some worker voted to stop in the last step."""
+        return float(self._stop_votes.numpy()) > 0
 
     def non_finite(self):
         """What is not finite, in words: "the loss" (of the last step), "z", "learner j" (its weights,

@@ -1,5 +1,6 @@
 """The epoch loop: feed iterations to the engine, evaluate z, record results."""
 import math
+import signal
 import time
 
 import numpy as np
@@ -143,20 +144,37 @@ class _Run:
             self.evaluator = engine.strategy.cluster.on_chief(self.evaluator, num_values=2)
         # On several workers each decodes only its own learners' rows of every iteration.
         self.rows = engine.local_rows(self.global_batch) if engine.strategy.num_workers > 1 else None
+        self.cluster, self._voted = engine.strategy.cluster, False
         self.step_times = []
 
-    def _stop_if_asked(self, p, segment_start=None):
-        if self.stop_signals is not None and self.stop_signals.received is not None:
+    def _signalled(self):
+        return self.stop_signals is not None and self.stop_signals.received is not None
+
+    def _stop_if_asked(self, p, segment_start=None, asked=None):
+        """Stops (TrainingInterrupted, after a checkpoint) when a stop signal came, or ASKED says so.
+
+        On several workers all must stop after the same iteration, so a signal on one worker is a
+        vote carried by the next step's all-reduce (``Engine.vote_stop``), read after that step
+        (ASKED); at an epoch's end, the workers agree with one collective of their own."""
+        if asked is None:
+            asked = self._signalled()
+            if self.cluster is not None:
+                asked = self.cluster.agree_any(asked)
+        if asked:
             if segment_start is not None:
                 p.epoch_time += time.perf_counter() - segment_start
             path = self._save(p) if self.checkpoints is not None else None
-            raise TrainingInterrupted(self.stop_signals.received, path, p.iteration, p.epoch + 1)
+            received = self.stop_signals.received if self.stop_signals is not None else None
+            raise TrainingInterrupted(received or signal.SIGTERM, path, p.iteration, p.epoch + 1,
+                                      elsewhere=received is None)
 
     def _save(self, p):
         """Checkpoints P after making sure everything is finite: a checkpoint is always a good one.
         (The step checks the loss and z; a learner that went non-finite in the step just done would
         only show in its next loss.)"""
         what = self.engine.non_finite()
+        if self.cluster is not None and self.cluster.agree_any(bool(what)) and not what:
+            what = ["a learner of another worker"]   # every worker stops, or rolls back, alike
         if what:
             epoch, position = (p.epoch + 1, p.position) if p.position else (p.epoch, self.per_epoch)
             raise _NonFinite(what, p.iteration, epoch, position, self.per_epoch)
@@ -171,7 +189,11 @@ class _Run:
                                     map_fn=self.data.train_map, skip_iterations=p.position, rows=self.rows)
             segment_start = time.perf_counter()
             for x, y, mask, *count in batches:   # COUNT: the iteration's real examples, with ROWS
-                self._stop_if_asked(p, segment_start)
+                if self.cluster is None:
+                    self._stop_if_asked(p, segment_start)
+                elif self._signalled() and not self._voted:
+                    engine.vote_stop()
+                    self._voted = True
                 step_start = time.perf_counter()
                 if engine.algorithm.reset_on_lr_drop and is_drop(schedule, p.iteration):
                     engine.reset_learners()
@@ -193,6 +215,8 @@ class _Run:
                     p.epoch_time += time.perf_counter() - segment_start
                     self._save(p)
                     segment_start = time.perf_counter()
+                if self.cluster is not None and not last_of_epoch:
+                    self._stop_if_asked(p, segment_start, asked=engine.stop_voted())
             p.epoch_time += time.perf_counter() - segment_start
             self._end_epoch(p, epoch)
             if self.checkpoints is not None and (self.checkpoints.at_epoch_end or p.finished):
