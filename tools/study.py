@@ -230,9 +230,9 @@ def searched_budgets(cells):
 
 
 def run_study(spec, cells, runner):
-    """The search trials of every cell on the search seeds, point by point in the order given; then
-    each cell's best trial on every seed. A study stopped part-way so has searched the first points
-    (one seed each) before any replication.
+    """Point by point, in the order of the global batches given: every cell's search trials at that
+    point on the search seeds, then each cell's best trial on every seed. A study stopped part-way
+    so has whole points (searched and replicated) before the one it stopped in.
 
     Returns {(series name, G): outcome dict}. Trials are ranked by fewest median epochs to target,
     then time (harness.best_trial(by="epochs")): the study's question is statistical efficiency.
@@ -245,21 +245,24 @@ def run_study(spec, cells, runner):
         return runner.run(cell.series.method, exp, opts, subdir, f"{label}_s{seed}",
                           f"{label} {harness.describe(point)}{note}", seed, spec.target, spec.timeout)
 
-    for cell in cells:
-        runs = {}
-        seeds = sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
-        for label, point, _ in cell.trials:
-            for seed in seeds:
-                runs[(label, seed)] = do(cell, label, point, seed)
-        outcome[(cell.series.name, cell.global_batch)] = dict(cell=cell, runs=runs)
-    for cell in cells:
-        o = outcome[(cell.series.name, cell.global_batch)]
-        runs = o["runs"]
-        search = [[runs[(label, s)].summary for s in spec.search_seeds] for label, _, _ in cell.trials]
-        best = 0 if cell.series.untuned else harness.best_trial(search, by="epochs")
-        label, point, _ = cell.trials[best]
-        for seed in spec.seeds:
-            if (label, seed) not in runs:
-                runs[(label, seed)] = do(cell, label, point, seed, " (best)")
-        o.update(best=label, best_point=point, final=[runs[(label, s)] for s in spec.seeds])
+    points = list(dict.fromkeys(cell.global_batch for cell in cells))
+    for global_batch in points:
+        at_point = [cell for cell in cells if cell.global_batch == global_batch]
+        for cell in at_point:
+            runs = {}
+            seeds = sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
+            for label, point, _ in cell.trials:
+                for seed in seeds:
+                    runs[(label, seed)] = do(cell, label, point, seed)
+            outcome[(cell.series.name, cell.global_batch)] = dict(cell=cell, runs=runs)
+        for cell in at_point:
+            o = outcome[(cell.series.name, cell.global_batch)]
+            runs = o["runs"]
+            search = [[runs[(label, s)].summary for s in spec.search_seeds] for label, _, _ in cell.trials]
+            best = 0 if cell.series.untuned else harness.best_trial(search, by="epochs")
+            label, point, _ = cell.trials[best]
+            for seed in spec.seeds:
+                if (label, seed) not in runs:
+                    runs[(label, seed)] = do(cell, label, point, seed, " (best)")
+            o.update(best=label, best_point=point, final=[runs[(label, s)] for s in spec.seeds])
     return outcome
