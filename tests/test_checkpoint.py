@@ -257,7 +257,7 @@ def test_huge_learning_rate_stops_with_exit_3_valid_results_and_an_intact_checkp
                  "--results", str(results)])
     assert p.finish() == 3, p.output
     m = re.search(r"crossbow_tf: diverged: not finite at iteration (\d+) \(epoch 1, iteration \d+ of 20\): "
-                  r"the loss(, z)?(, learner \d)*; last good checkpoint (?P<good>\S+)$", p.output, re.M)
+                  r"the loss(, z)?(, learners? [0-9, -]+)?; last good checkpoint (?P<good>\S+)$", p.output, re.M)
     assert m and "Traceback" not in p.output, p.output
     saved = strict_json(results.read_text())                     # no bare NaN anywhere
     assert saved["diverged"]["iteration"] == int(m.group(1)) and saved["diverged"]["non_finite"][0] == "the loss"
@@ -440,3 +440,10 @@ def test_resumed_comparison_continues_a_run_checkpointed_mid_way(tmp_path, monke
     assert not last_call()["found"]
     run("ok", resume=False, method="tf_ssgd")                         # stock Keras: no checkpoints
     assert "--checkpoint-dir" not in last_call()["args"]
+
+
+def test_a_divergence_names_runs_of_learners_as_ranges():
+    from crossbow_tf.engine.trainer import describe_non_finite
+    assert describe_non_finite(["the loss"] + [f"learner {i}" for i in range(128)]) == "the loss, learners 0-127"
+    assert describe_non_finite(["the loss", "z", "learner 1", "learner 3", "learner 4"]) == "the loss, z, learners 1, 3-4"
+    assert describe_non_finite(["z", "learner 5"]) == "z, learner 5"

@@ -121,7 +121,27 @@ class _NonFinite(Exception):
     def __init__(self, what, iteration, epoch, position, per_epoch):
         self.what, self.iteration, self.epoch = what, iteration, epoch
         super().__init__(f"not finite at iteration {iteration} (epoch {epoch}, iteration {position} of "
-                         f"{per_epoch}): {', '.join(what)}")
+                         f"{per_epoch}): {describe_non_finite(what)}")
+
+
+def describe_non_finite(what):
+    """WHAT (Engine.non_finite's names) in words, runs of learners as ranges: "the loss, learners 0-127"."""
+    words, learners = [], []
+    for name in list(what) + [None]:
+        if name is not None and name.startswith("learner ") and name[8:].isdigit():
+            learners.append(int(name[8:]))
+            continue
+        if learners:
+            runs, start = [], learners[0]
+            for previous, current in zip(learners, learners[1:] + [None]):
+                if current != previous + 1:
+                    runs.append(f"{start}" if start == previous else f"{start}-{previous}")
+                    start = current
+            words.append(("learner " if len(learners) == 1 else "learners ") + ", ".join(runs))
+            learners = []
+        if name is not None:
+            words.append(name)
+    return ", ".join(words)
 
 
 class _Run:
