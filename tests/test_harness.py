@@ -252,7 +252,13 @@ if mode == "hang":
 evals = [dict(epoch=1, iteration=10, examples=4000, wall_time=2.5, accuracy=0.97, loss=0.1)]
 if mode == "malformed":
     del evals[0]["loss"]
-json.dump(dict(method="sma", config={{}}, environment={{}}, evaluations=evals, num_learners=1), open(results, "w"))
+extra = {{}}
+if mode == "diverged":   # as crossbow_tf.run: its results say where, and it exits with code 3
+    evals[0]["accuracy"] = 0.5
+    extra = dict(diverged=dict(iteration=14, epoch=2, non_finite=["the loss"]))
+json.dump(dict(method="sma", config={{}}, environment={{}}, evaluations=evals, num_learners=1, **extra),
+          open(results, "w"))
+sys.exit(3 if mode == "diverged" else 0)
 '''
 
 
@@ -264,7 +270,7 @@ def test_runner_records_failures_timeouts_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_CALLS", str(calls))
     out = tmp_path / "report"
     harness.prepare_out_dir(str(out))
-    runner = harness.Runner(str(out), 5, out=open(os.devnull, "w"), python=str(fake))
+    runner = harness.Runner(str(out), 6, out=open(os.devnull, "w"), python=str(fake))
     exp = {"seed": 0}
 
     def run(mode, name, timeout=30):
@@ -274,6 +280,10 @@ def test_runner_records_failures_timeouts_and_resumes(tmp_path, monkeypatch):
     assert ok.summary["tta"] == 2.5 and ok.summary["epochs_to_target"] == 1 and ok.error is None
     crash = run("crash", "b")
     assert crash.summary is None and "exit code 3" in crash.error and "something broke" in crash.error
+    # A run that diverged is an outcome (not reached, diverged), not a failed run.
+    diverged = run("diverged", "e")
+    assert diverged.error is None and diverged.summary["diverged"] and not diverged.summary["reached"]
+    assert diverged.summary["best_accuracy"] == 0.5 and not ok.summary["diverged"]
     bad = run("malformed", "c")
     assert bad.summary is None and "malformed results" in bad.error and "loss" in bad.error
     start = time.time()

@@ -64,6 +64,7 @@ def run_summary(results, target):
         devices=len(results.get("devices") or []) or None,
         epoch_start_wait=sum(w for w in waits if w) if any(w is not None for w in waits) else None,
         collapsed=bool(results.get("collapsed")),
+        diverged=bool(results.get("diverged")),   # a NaN or infinity stopped it (exit code 3)
     )
 
 
@@ -411,9 +412,11 @@ class Runner:
         duration = time.time() - start
         self.durations.append(duration)
         record = self._record(label, seed, paths["json"], target, duration, load)
-        if code == 0 and record.summary is not None:
+        # A run that diverged (exit code 3, its results say where) is an outcome, not a failure.
+        finished = record.summary is not None and (code == 0 or (code == 3 and record.summary["diverged"]))
+        if finished:
             shutil.rmtree(checkpoints, ignore_errors=True)
-        if code != 0 or record.summary is None:
+        if not finished:
             record.summary = None
             record.error = error or record.error or f"exit code {code}"
             self.say(f"      FAILED after {duration:.0f}s: {record.error} (log: {paths['log']})")
@@ -421,7 +424,9 @@ class Runner:
             s = record.summary
             outcome = (f"{target:.2%} at epoch {s['epochs_to_target']}, {s['tta']:.2f}s of training"
                        if s["reached"] else f"target not reached in {s['epochs_run']} epochs")
-            self.say(f"      {outcome}; best {s['best_accuracy']:.4f}; {s['images_per_second']:.0f} images/s; "
+            if s["diverged"]:
+                outcome = f"diverged in epoch {s['epochs_run'] + 1}: target not reached"
+            self.say(f"      {outcome}; best {fmt(s['best_accuracy'], 4)}; {fmt(s['images_per_second'], 0)} images/s; "
                      f"process {duration:.0f}s")
         return record
 

@@ -51,6 +51,11 @@ def _load(path, target):
     return harness.run_summary(data, target), data["evaluations"], data
 
 
+def outcome_word(summary, otherwise="n/r"):
+    """How a run that did not reach the target ended: "diverged" (a NaN), "collapsed" (at chance)."""
+    return "diverged" if summary["diverged"] else "collapsed" if summary["collapsed"] else otherwise
+
+
 def run_path(out, cell, label, seed):
     return os.path.join(out, "runs", cell.series.name, f"G{cell.global_batch}", f"{label}_s{seed}.json")
 
@@ -85,9 +90,11 @@ def cell_stats(spec, state):
     return dict(
         seeds=len(final), of=len(spec.seeds), complete=len(final) == len(spec.seeds),
         reached=sum(s["reached"] for s in summaries), collapsed=sum(s["collapsed"] for s in summaries),
+        diverged=sum(s["diverged"] for s in summaries),
         epochs=harness.seed_statistics([s["epochs_to_target"] for s in summaries]),
         tta=harness.seed_statistics([s["tta"] for s in summaries]),
-        best_accuracy=harness.seed_statistics([s["best_accuracy"] for s in summaries]),
+        best_accuracy=harness.seed_statistics([s["best_accuracy"] for s in summaries
+                                               if s["best_accuracy"] is not None]),
         images_per_second=harness.seed_statistics([s["images_per_second"] for s in summaries]),
         setting=harness.describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
 
@@ -100,7 +107,7 @@ def search_progress(spec, state):
     best = done[harness.best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in done], by="epochs")]
     s = best["runs"][spec.search_seeds[0]][0]
     so_far = (f"{s['epochs_to_target']} epochs" if s["reached"] else
-              f"not reached (best acc {s['best_accuracy']:.4f})")
+              f"not reached ({outcome_word(s, 'best acc ' + harness.fmt(s['best_accuracy'], 4))})")
     return f"searching, {len(done)}/{len(state['trials'])} trials done: best so far {so_far}"
 
 
@@ -252,7 +259,7 @@ def plot_largest(states, spec, g, path):
     for (name, gg), st in states.items():
         if gg != g or not st["final"]:
             continue
-        run = next((r for r in st["final"].values() if r is not None), None)
+        run = next((r for r in st["final"].values() if r is not None and r[1]), None)
         if run is None:
             continue
         evals = run[1]
@@ -301,8 +308,8 @@ def build_report(out, spec, cells, experiment, args):
                 s = r[0]
                 trial_rows.append([name, g, t["label"] + (" **best**" if st["best"] is t else ""),
                                    harness.describe(t["point"]), seed,
-                                   s["epochs_to_target"] if s["reached"] else ("collapsed" if s["collapsed"] else "n/r"),
-                                   f"{s['best_accuracy']:.4f}", s["epochs_run"], harness.fmt(s["tta"])])
+                                   s["epochs_to_target"] if s["reached"] else outcome_word(s),
+                                   harness.fmt(s["best_accuracy"], 4), s["epochs_run"], harness.fmt(s["tta"])])
     budgets = study.searched_budgets(cells)
     budget_line = (f"Every searched series got {spec.budget} trials at every point "
                    f"({', '.join(sorted({str(v) for v in budgets.values()}))} found in the plan; "
@@ -313,7 +320,7 @@ def build_report(out, spec, cells, experiment, args):
     for (name, g), st in states.items():
         if st["cell"].series.method != "sma" or not st["final"]:
             continue
-        run = next((r for r in st["final"].values() if r is not None), None)
+        run = next((r for r in st["final"].values() if r is not None and r[1]), None)
         if run is None:
             continue
         evals = run[1]
@@ -322,7 +329,7 @@ def build_report(out, spec, cells, experiment, args):
         why.append([name, g, st["cell"].k, harness.describe(st["best"]["point"]), len(evals),
                     f"{last['accuracy']:.4f}", harness.fmt(last.get("learner_accuracy"), 4),
                     harness.fmt(last.get("learner_distance"), 3), harness.fmt(peak.get("learner_accuracy"), 4),
-                    "yes" if run[2].get("collapsed") else "no"])
+                    outcome_word(run[0], "no")])
     half2 = [[f"b={b}", g, g // b, f"{row['sma']:.0f}", f"{row['keras_global']:.0f}", f"{row['keras_small']:.0f}",
               f"{row['sma'] / row['keras_global']:.2f}", f"{row['sma'] / row['keras_small']:.2f}",
               f"{row['update_share']:.0%}", f"{row['spread']:.0%}"] for (b, g), row in sorted(bench.items())]
@@ -379,14 +386,15 @@ def build_report(out, spec, cells, experiment, args):
         "## Half 1: statistical efficiency (epochs to target)", "",
         f"Target {spec.target:.0%} test accuracy on the whole test split, at most {spec.epochs} epochs per run. "
         + budget_line + " Cells: median [min–max] epochs over the seeds (reached/seeds); a series that does not "
-        "reach shows its best accuracy. Runs at chance accuracy for 2 epochs after the first stop as collapsed.", "",
+        "reach shows its best accuracy. Runs at chance accuracy for 2 epochs after the first stop as collapsed; "
+        "a run whose loss, learners or z became NaN or infinite stops as diverged.", "",
         grid_table("epochs"), "", "Best setting per point:", "",
         harness.markdown_table(["series"] + [f"G={g}" for g in points], best_rows), "",
         "![epochs to target against G](epochs_vs_G.png)", "",
         f"![accuracy against epochs at G={largest}](accuracy_vs_epochs_largest_G.png)", "",
         "### Why: z against its learners (SMA, best trial, first seed, last epoch)", "",
         harness.markdown_table(["series", "G", "k", "setting", "epochs", "z accuracy", "learner 0 accuracy",
-                                "mean distance to z", "best learner 0 accuracy", "collapsed"], why) if why else "not run yet",
+                                "mean distance to z", "best learner 0 accuracy", "collapsed or diverged"], why) if why else "not run yet",
         "", "## Half 2: hardware efficiency (this CPU)", "",
         ("Images/s of fused SMA with k learners of b against one plain Keras model at batch k*b and at batch b, "
          "measured side by side in one process, interleaved rounds, median (tools/bench_throughput.py, "
