@@ -106,6 +106,8 @@ def test_equal_budgets_are_enforced():
                    sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))
     with pytest.raises(ConfigError, match=r"sma.batch_size \(per learner\)"):
         plan(sweep(sma=dict(method="sma", grid={"algorithm.alpha": ["1/k", 0.1]})))
+    with pytest.raises(ConfigError, match="sweep.notes: expected a list of sentences"):
+        plan(dict(sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]})), notes="one line"))
     with pytest.raises(ConfigError, match="48 is not a point of the study"):
         plan(sweep(sma=dict(method="sma", batch_size=16, points={48: {}}, grid={"algorithm.alpha": ["1/k", 0.1]})))
 
@@ -114,6 +116,7 @@ def test_reproduce_end_to_end_on_tiny_data(tmp_path):
     data = fashion_dir(tmp_path)
     doc = dict(EXPERIMENT, tf_ssgd={"reference_batch": 32}, sweep=dict(
         global_batches=[32, 64], budget=1, search_seeds=[0], seeds=[0], target=0.3, epochs=2, timeout=600,
+        notes=["The S-SGD grid was   chosen first."],
         series=dict(ssgd=dict(method="tf_ssgd", fixed={"tf_ssgd.lr_scaling": "linear"},
                               grid={"learning_rate.base": [0.05]}),
                     sma=dict(method="sma", batch_size=16,
@@ -131,6 +134,7 @@ def test_reproduce_end_to_end_on_tiny_data(tmp_path):
     for heading in ("## Verdict", "## Half 1", "## Half 2", "## The product", "## BatchNorm", "## Search trials"):
         assert heading in report
     assert "4 of 4 training runs finished" in report and "partial" not in report
+    assert "Protocol notes (from the config): The S-SGD grid was chosen first." in report
     for plot in ("epochs_vs_G.png", "tta_vs_G.png", "accuracy_vs_epochs_largest_G.png"):
         assert (out / plot).stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())

@@ -11,6 +11,7 @@ one grid for every batch, is tools/harness.py's parse_sweep):
       seeds: [0, 1, 2]                   # the best trial per point runs on these
       target: 0.89
       epochs: 12
+      notes: ["what the report must say about the protocol, e.g. a grid changed after a first look"]
       series:
         ssgd_linear:                     # a searched series
           method: tf_ssgd
@@ -66,6 +67,7 @@ class StudySpec:
     target: float
     epochs: int
     timeout: float
+    notes: list = dataclasses.field(default_factory=list)   # protocol notes the report prints
 
 
 @dataclasses.dataclass
@@ -131,7 +133,10 @@ def _series(name, body, where, points):
 def parse_study(section, experiment, where="sweep"):
     """StudySpec from a sweep: mapping with series (see the module doc)."""
     harness._known(section, ("global_batches", "series", "budget", "search_seeds", "seeds", "target", "epochs",
-                             "timeout"), where)
+                             "timeout", "notes"), where)
+    notes = section.get("notes", [])
+    _need(isinstance(notes, list) and all(isinstance(n, str) and n.strip() for n in notes),
+          f"{where}.notes: expected a list of sentences, got {notes!r}")
     points = harness._int_list(section.get("global_batches"), f"{where}.global_batches", 1)
     _need(len(set(points)) == len(points), f"{where}.global_batches: a point is listed twice ({points})")
     series = section.get("series")
@@ -144,7 +149,8 @@ def parse_study(section, experiment, where="sweep"):
         seeds=harness._int_list(section.get("seeds", [0, 1, 2]), f"{where}.seeds"),
         target=harness._target(section, experiment, where),
         epochs=harness._positive(section.get("epochs", experiment.get("epochs", 10)), f"{where}.epochs", int),
-        timeout=harness._positive(section.get("timeout", 1800), f"{where}.timeout"))
+        timeout=harness._positive(section.get("timeout", 1800), f"{where}.timeout"),
+        notes=[" ".join(n.split()) for n in notes])
     _need(any(not s.untuned for s in spec.series), f"{where}.series: at least one series must be searched")
     return spec
 

@@ -383,12 +383,16 @@ def build_report(out, spec, cells, experiment, args):
         "- every run is its own process, one at a time; each run's config, log and results are under `runs/`; "
         "the load average at each run's start is in its log.", "",
         "## Verdict", "", verdict_md, "",
+        *(["Read the verdict with the protocol notes under Half 1: they say where the protocol was not "
+           "what it was planned to be.", ""] if spec.notes else []),
         "## Half 1: statistical efficiency (epochs to target)", "",
         f"Target {spec.target:.0%} test accuracy on the whole test split, at most {spec.epochs} epochs per run. "
         + budget_line + " Cells: median [min–max] epochs over the seeds (reached/seeds); a series that does not "
         "reach shows its best accuracy. Runs at chance accuracy for 2 epochs after the first stop as collapsed; "
         "a run whose loss, learners or z became NaN or infinite stops as diverged.", "",
-        grid_table("epochs"), "", "Best setting per point:", "",
+        grid_table("epochs"), "",
+        *([f"Protocol notes (from the config): {' '.join(spec.notes)}", ""] if spec.notes else []),
+        "Best setting per point:", "",
         harness.markdown_table(["series"] + [f"G={g}" for g in points], best_rows), "",
         "![epochs to target against G](epochs_vs_G.png)", "",
         f"![accuracy against epochs at G={largest}](accuracy_vs_epochs_largest_G.png)", "",
