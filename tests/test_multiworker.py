@@ -230,7 +230,7 @@ def test_worker_timeout_must_be_positive(monkeypatch):
 
 
 # ------------------------------------------------------------------------ checkpoints and resume
-def checkpointed_config(path, epochs=4):
+def checkpointed_config(path, epochs=3):
     """LeNet on the embedded digits, 2 devices x 2 learners of 8 per worker: 62 iterations per epoch
     on 2 workers; a checkpoint every 20 iterations and at every epoch's end."""
     settings = dict(name="multiworker-checkpoints", model="lenet", data={"name": "mnist_embedded"},
@@ -252,7 +252,8 @@ def run_cluster(config, ckpt, workdirs, *extra, signal_worker=None, after=None):
         if signal_worker is not None:
             lines = wait_for_line(procs[0], "stdout", after, timeout=START_UP + 120)
             procs[signal_worker].send_signal(signal.SIGTERM)
-        outcomes = [finish(p, timeout=START_UP + 240) for p in procs]
+        # Generous: these runs train for minutes on a busy 2-core machine; the bound is for a hang.
+        outcomes = [finish(p, timeout=START_UP + 600) for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -279,13 +280,14 @@ def test_sigterm_to_one_worker_stops_the_cluster_with_the_chiefs_checkpoint_and_
     # SIGTERM to worker 1 (not the chief) during epoch 2: both stop after the same iteration, the
     # chief writes a checkpoint holding both workers' learners, and both say how to continue.
     (code0, out0, err0), (code1, _, err1) = run_cluster(config, "ckpt", dirs["stopped"], signal_worker=1,
-                                                        after="epoch   1/4")
+                                                        after="epoch   1/3")
     assert (code0, code1) == (143, 143), err0[-2000:] + err1[-2000:]
     stopped0 = [line for line in err0.splitlines() if line.startswith("crossbow_tf: stopped")]
     stopped1 = [line for line in err1.splitlines() if line.startswith("crossbow_tf: stopped")]
     assert len(stopped0) == len(stopped1) == 1, err0[-2000:] + err1[-2000:]
-    iteration = re.search(r"at iteration (\d+) \(epoch 2\)", stopped0[0])
-    assert iteration and f"at iteration {iteration.group(1)} (epoch 2)" in stopped1[0]
+    # (Normally mid-epoch 2; at its end when the machine is so busy that epoch 2 is over first.)
+    iteration = re.search(r"at iteration (\d+) \(epoch [23]\)", stopped0[0])
+    assert iteration and iteration.group(0) in stopped1[0], stopped0[0] + stopped1[0]
     assert "stopped by a stop signal to another worker" in stopped0[0] and "/ckpt-" in stopped0[0]
     assert "stopped by SIGTERM" in stopped1[0] and "the chief's checkpoint" in stopped1[0]
     assert "--resume" in stopped0[0] and "--resume" in stopped1[0]
@@ -319,7 +321,7 @@ def test_sigterm_to_one_worker_stops_the_cluster_with_the_chiefs_checkpoint_and_
     ours = json.loads((dirs["stopped"][0] / "run.json").read_text())["evaluations"]
     theirs = json.loads((dirs["reference"][0] / "run.json").read_text())["evaluations"]
     assert [(e["accuracy"], e["loss"]) for e in ours] == [(e["accuracy"], e["loss"]) for e in theirs]
-    assert len(ours) == 4
+    assert len(ours) == 3
 
 
 def test_divergence_rolls_back_every_worker_alike_from_the_chiefs_checkpoint(tmp_path):
