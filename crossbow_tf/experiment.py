@@ -101,20 +101,10 @@ def find_resume_point(cfg, resume, log=print, workers=1):
 def chief_resume_point(cfg, resume, log, cluster):
     """``find_resume_point`` on several workers: the chief looks at its checkpoint directory and
     every worker follows its decision (or stops with its error)."""
-    import json
-
     from crossbow_tf.errors import CheckpointError
-    outcome = {}
-    if cluster.is_chief:
-        try:
-            found = find_resume_point(cfg, resume, log, workers=cluster.num_workers)
-            outcome = dict(path=found[0], record=found[1]) if found else {}
-        except CheckpointError as e:
-            outcome = dict(error=str(e))
-    outcome = json.loads(cluster.text_from_chief(json.dumps(outcome)))
-    if "error" in outcome:
-        raise CheckpointError(outcome["error"])
-    return (outcome["path"], outcome["record"]) if outcome else None
+    found = cluster.decided_by_chief(lambda: find_resume_point(cfg, resume, log, workers=cluster.num_workers),
+                                     CheckpointError)
+    return tuple(found) if found else None
 
 
 def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None):

@@ -36,12 +36,24 @@ class ClusterError(CrossbowError):
     exit_code = 4
 
 
-def _by_dtype(arrays):
-    """Indices of ARRAYS grouped by dtype: one collective per dtype."""
-    groups = {}
+def _packed(arrays, collective, copies):
+    """ARRAYS through COLLECTIVE, one call per dtype on the arrays flattened into one vector.
+    COLLECTIVE returns COPIES vectors of that length, concatenated (1: a reduction or broadcast;
+    the number of workers: a gather); each array comes back with a leading axis of COPIES."""
+    arrays = [np.asarray(a) for a in arrays]
+    by_dtype = {}
     for i, a in enumerate(arrays):
-        groups.setdefault(a.dtype.str, []).append(i)
-    return groups
+        by_dtype.setdefault(a.dtype.str, []).append(i)
+    out = [None] * len(arrays)
+    for indices in by_dtype.values():
+        flat = np.concatenate([arrays[i].ravel() for i in indices])
+        result = collective(flat).reshape(copies, flat.size)
+        offset = 0
+        for i in indices:
+            size = arrays[i].size
+            out[i] = result[:, offset:offset + size].reshape((copies,) + arrays[i].shape)
+            offset += size
+    return out
 
 
 def _device_type(device):
@@ -229,21 +241,9 @@ class Cluster:
 
     def broadcast_from_chief(self, arrays):
         """The chief's ARRAYS on every worker (a sum in which the others contribute zeros: exact)."""
-        arrays = [np.asarray(a) for a in arrays]
-        if not arrays:
-            return []
-        out = [None] * len(arrays)
-        for indices in _by_dtype(arrays).values():
-            flat = np.concatenate([arrays[i].ravel() for i in indices])
-            if not self.is_chief:
-                flat = np.zeros_like(flat)
-            flat = self._eager_reduce(flat, "Add")
-            offset = 0
-            for i in indices:
-                size = arrays[i].size
-                out[i] = flat[offset:offset + size].reshape(arrays[i].shape)
-                offset += size
-        return out
+        def from_chief(flat):
+            return self._eager_reduce(flat if self.is_chief else np.zeros_like(flat), "Add")
+        return [a[0] for a in _packed(arrays, from_chief, copies=1)]
 
     def agree_any(self, flag):
         """Whether FLAG is true on any worker."""
@@ -252,17 +252,7 @@ class Cluster:
     def gather(self, arrays):
         """Every worker's ARRAYS (the same shapes and dtypes on every worker), on every worker: one
         array per entry with a leading axis of workers, in worker order."""
-        arrays = [np.asarray(a) for a in arrays]
-        out = [None] * len(arrays)
-        for indices in _by_dtype(arrays).values():
-            flat = np.concatenate([arrays[i].ravel() for i in indices])
-            gathered = self._eager_gather(flat).reshape(self.num_workers, flat.size)
-            offset = 0
-            for i in indices:
-                size = arrays[i].size
-                out[i] = gathered[:, offset:offset + size].reshape((self.num_workers,) + arrays[i].shape)
-                offset += size
-        return out
+        return _packed(arrays, self._eager_gather, copies=self.num_workers)
 
     def text_from_chief(self, text):
         """The chief's TEXT (a str; the others pass anything) on every worker."""
@@ -272,6 +262,21 @@ class Cluster:
             data = np.zeros(int(size), np.int32)
         data = self.broadcast_from_chief([data])[0] if size else data
         return data.astype(np.uint8).tobytes().decode()
+
+    def decided_by_chief(self, decide, error_type):
+        """DECIDE()'s value (JSON-able), computed on the chief only, on every worker. An ERROR_TYPE
+        it raises is raised on every worker alike, with the chief's message."""
+        import json
+        outcome = {}
+        if self.is_chief:
+            try:
+                outcome = dict(value=decide())
+            except error_type as e:
+                outcome = dict(error=str(e))
+        outcome = json.loads(self.text_from_chief(json.dumps(outcome)))
+        if "error" in outcome:
+            raise error_type(outcome["error"])
+        return outcome["value"]
 
     def on_chief(self, function, num_values):
         """FUNCTION run on the chief only, its result (NUM_VALUES floats) given to every worker (who

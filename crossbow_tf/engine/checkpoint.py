@@ -229,18 +229,9 @@ class Checkpoints:
         if self.cluster is None:
             path, record = self._read_newest(log)
             return path, self._adopt(path, record, results)
-        outcome = {}
-        if self.writes:
-            try:
-                path, record = self._read_newest(log)
-                outcome = dict(path=path, record=record)
-            except CheckpointError as e:
-                outcome = dict(error=str(e))
-        outcome = json.loads(self.cluster.text_from_chief(json.dumps(outcome)))
-        if "error" in outcome:
-            raise CheckpointError(outcome["error"])
+        path, record = self.cluster.decided_by_chief(lambda: self._read_newest(log), CheckpointError)
         self._receive_from_chief()
-        return outcome["path"], self._adopt(outcome["path"], outcome["record"], results)
+        return path, self._adopt(path, record, results)
 
     def _receive_from_chief(self):
         """The chief's z, u and every worker's learners as it restored them: each worker keeps its own."""

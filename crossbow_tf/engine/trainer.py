@@ -164,7 +164,7 @@ class _Run:
             self.evaluator = engine.strategy.cluster.on_chief(self.evaluator, num_values=2)
         # On several workers each decodes only its own learners' rows of every iteration.
         self.rows = engine.local_rows(self.global_batch) if engine.strategy.num_workers > 1 else None
-        self.cluster, self._voted = engine.strategy.cluster, False
+        self.cluster = engine.strategy.cluster
         self.step_times = []
 
     def _signalled(self):
@@ -211,9 +211,8 @@ class _Run:
             for x, y, mask, *count in batches:   # COUNT: the iteration's real examples, with ROWS
                 if self.cluster is None:
                     self._stop_if_asked(p, segment_start)
-                elif self._signalled() and not self._voted:
+                elif self._signalled():
                     engine.vote_stop()
-                    self._voted = True
                 step_start = time.perf_counter()
                 if engine.algorithm.reset_on_lr_drop and is_drop(schedule, p.iteration):
                     engine.reset_learners()
