@@ -216,6 +216,10 @@ def verdict(spec, cells, stats, bench):
         projected = (e_s / e_m if e_s not in (None, float("inf")) and e_m not in (None, float("inf")) else None)
         tta.append((g, measured, projected, e_s, e_m))
     have = [t for t in tta if t[1] is not None or t[2] is not None]
+
+    def ratios(points_):
+        return "; ".join(f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) {harness.fmt(p)}"
+                         for g, m, p, _, _ in points_)
     large_done = all(stats.get((n, large)) and stats[(n, large)]["complete"] for n in ssgd + sma
                      if any(c.series.name == n and c.global_batch == large for c in cells))
     neither = (large_done and best(ssgd, large)[0] == float("inf") and best(sma, large)[0] == float("inf"))
@@ -226,21 +230,17 @@ def verdict(spec, cells, stats, bench):
                      f"not reproduced at G={large} on this CPU; no projection",
                      f"at G={large} neither method reaches {spec.target:.0%} in {cap} epochs; best accuracy, median "
                      f"[range]: SMA {accuracy_at_cap(sma, large)}; S-SGD {accuracy_at_cap(ssgd, large)}; "
-                     f"images/s (median): {speed}; elsewhere: " + ("; ".join(
-                         f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) {harness.fmt(p)}"
-                         for g, m, p, _, _ in have) or "–"),
+                     f"images/s (median): {speed}; elsewhere: {ratios(have) or '–'}",
                      "SMA is not sooner to any accuracy when it ends lower than S-SGD at the cap and each of its "
                      "epochs takes longer; an epochs ratio needs both to reach the target"))
     elif have and not any(g == large and (m is not None or p is not None) for g, m, p, _, _ in tta):
         rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G", "not yet measured",
-                     "; ".join(f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) "
-                               f"{harness.fmt(p)}" for g, m, p, _, _ in have),
+                     ratios(have),
                      f"the claim is about large G; G={large} has not finished"))
     elif not have:
         rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD", "not yet measured", "–", "points not finished"))
     else:
-        text = "; ".join(f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) {harness.fmt(p)}"
-                         for g, m, p, _, _ in tta)
+        text = ratios(tta)
         measured_ok = any(m is not None and m >= CLAIMED_SPEEDUP for _, m, _, _, _ in tta)
         projected_ok = any(p is not None and p >= CLAIMED_SPEEDUP for _, _, p, _, _ in tta)
         unreached = [g for g, m, p, e_s, e_m in tta if e_s == float("inf") and e_m not in (None, float("inf"))]
