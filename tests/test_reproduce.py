@@ -101,6 +101,19 @@ def test_equal_budgets_are_enforced():
     _, cells = plan(sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2, 0.3, 0.4]}),
                           sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))
     assert set(study.searched_budgets(cells).values()) == {2}
+    # A point's own budget holds for every searched series there: a second round at one point.
+    four = dict(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2, 0.3, 0.4]}),
+                sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1, 0.2]}))
+    spec, cells = plan(dict(sweep(**four), point_budgets={64: 3}))
+    assert study.searched_budgets(cells) == {("ssgd", 32): 2, ("sma", 32): 2, ("ssgd", 64): 3, ("sma", 64): 3}
+    assert spec.describe_budget() == "2 trials per searched series per point (3 at G=64)"
+    with pytest.raises(ConfigError, match=r"sweep.series.sma \(global batch 64\): the grid has 3 point\(s\), "
+                                          r"fewer than the budget of 4"):
+        plan(dict(sweep(**four), point_budgets={64: 4}))
+    with pytest.raises(ConfigError, match=r"sweep.point_budgets: 128 is not a point of the study \(\[32, 64\]\)"):
+        plan(dict(sweep(**four), point_budgets={128: 3}))
+    with pytest.raises(ConfigError, match=r"sweep.point_budgets.64: expected a positive int, got 0"):
+        plan(dict(sweep(**four), point_budgets={64: 0}))
     with pytest.raises(ConfigError, match="an untuned series runs one setting"):
         plan(sweep(ssgd=dict(method="tf_ssgd", untuned=True, grid={"learning_rate.base": [0.1]}),
                    sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))
@@ -191,3 +204,45 @@ def test_a_finished_run_is_reused_when_only_defaults_were_added():
     assert not harness.same_run(yaml.safe_dump(changed, sort_keys=False), new)
     assert not harness.same_run(yaml.safe_dump(dict(older, tf_ssgd={}), sort_keys=False), new)
     assert not harness.same_run("model: [", new)
+
+
+def _stats(epochs, accuracy, tta=None, images_per_second=1000.0, seeds=3):
+    """A finished cell's statistics as tools/study_report.cell_stats gives them (epochs None: never reached)."""
+    reached = seeds if epochs is not None else 0
+    return dict(seeds=seeds, of=seeds, complete=True, reached=reached, collapsed=0, diverged=0,
+                epochs=(epochs, epochs, epochs), tta=(tta, tta, tta), best_accuracy=(accuracy, accuracy - 0.01, accuracy),
+                images_per_second=(images_per_second,) * 3, setting="fixed setting")
+
+
+def test_verdict_rows_follow_the_numbers_when_nothing_or_only_sma_reaches_the_largest_batch():
+    import study_report
+    spec, cells = plan(sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+                             sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))
+    bench = {(16, 64): dict(sma=500.0, keras_global=1000.0)}
+    small = {("ssgd", 32): _stats(2, 0.6, tta=10.0), ("sma", 32): _stats(2, 0.6, tta=20.0)}
+
+    # Neither reaches the target at G=64: no epochs ratio exists, so there is no projection, and the
+    # rows say which ended higher at the cap.
+    rows, _ = study_report.verdict(spec, cells, {**small, ("ssgd", 64): _stats(None, 0.48, images_per_second=900.0),
+                                                    ("sma", 64): _stats(None, 0.41, images_per_second=450.0)}, bench)
+    by = {claim.split()[0]: (v, numbers) for claim, v, numbers, _ in rows}
+    assert by["S-SGD's"][0] == "reproduced"          # 2 epochs at G=32, never at G=64
+    assert by["SMA's"][0] == "not reproduced" and "sma 0.4100 [0.4000–0.4100]" in by["SMA's"][1]
+    assert by["k"] == ("not reproduced on this CPU; GPU claim not testable here", "b=16 G=64: 0.50x")
+    assert by["TTA"][0] == "not reproduced at G=64 on this CPU; no projection"
+    assert "neither method reaches 50% in 2 epochs" in by["TTA"][1]
+    assert "images/s (median): ssgd 900, sma 450" in by["TTA"][1]
+
+    # SMA reaches at G=64 in as many epochs as at the small batch and S-SGD never does: SMA stays near
+    # small-batch training, and the projection (S-SGD unreached) counts as reproduced.
+    rows, tta = study_report.verdict(spec, cells, {**small, ("ssgd", 64): _stats(None, 0.48),
+                                                          ("sma", 64): _stats(2, 0.55, tta=30.0)}, bench)
+    by = {claim.split()[0]: (v, numbers) for claim, v, numbers, _ in rows}
+    assert by["SMA's"][0] == "reproduced"
+    assert by["TTA"][0] == "not reproduced on this CPU; projected where half 2 holds: reproduced"
+    assert "S-SGD never reached the target at G=[64] while SMA did" in by["TTA"][1]
+    assert tta == [(32, 0.5, 1.0, 2, 2), (64, None, None, float("inf"), 2)]
+
+    # Until every series has finished the largest G, the TTA claim is not decided.
+    rows, _ = study_report.verdict(spec, cells, {**small, ("ssgd", 64): _stats(None, 0.48)}, bench)
+    assert [v for claim, v, _, _ in rows if claim.startswith("TTA")] == ["not yet measured"]

@@ -129,7 +129,7 @@ def main(argv=None):
                     print(f"{cell.series.name} G={cell.global_batch} k={cell.k} {label}: {harness.describe(point)}")
             for b, ks, devices in jobs:
                 print(f"bench b={b} k={ks} on {devices} device(s)")
-            print(f"{total} training runs (at most), budget {spec.budget} trials per searched series per point")
+            print(f"{total} training runs (at most), budget {spec.describe_budget()}")
             return 0
         harness.prepare_out_dir(args.out, force=args.force, resume=args.resume)
     except CrossbowError as e:

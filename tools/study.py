@@ -7,6 +7,7 @@ one grid for every batch, is tools/harness.py's parse_sweep):
     sweep:
       global_batches: [128, 2048, 512]   # points, run in this order (so early ones finish first)
       budget: 3                          # trials per searched series per point, the same for all
+      point_budgets: {2048: 6}           # a point where every searched series gets a larger budget
       search_seeds: [0]
       seeds: [0, 1, 2]                   # the best trial per point runs on these
       target: 0.89
@@ -68,6 +69,15 @@ class StudySpec:
     epochs: int
     timeout: float
     notes: list = dataclasses.field(default_factory=list)   # protocol notes the report prints
+    point_budgets: dict = dataclasses.field(default_factory=dict)   # G -> budget, where not `budget`
+
+    def budget_at(self, g):
+        return self.point_budgets.get(g, self.budget)
+
+    def describe_budget(self):
+        """'4 trials per searched series per point (8 at G=2048)'."""
+        extra = ", ".join(f"{n} at G={g}" for g, n in self.point_budgets.items())
+        return f"{self.budget} trials per searched series per point" + (f" ({extra})" if extra else "")
 
 
 @dataclasses.dataclass
@@ -133,7 +143,7 @@ def _series(name, body, where, points):
 def parse_study(section, experiment, where="sweep"):
     """StudySpec from a sweep: mapping with series (see the module doc)."""
     harness._known(section, ("global_batches", "series", "budget", "search_seeds", "seeds", "target", "epochs",
-                             "timeout", "notes"), where)
+                             "timeout", "notes", "point_budgets"), where)
     notes = section.get("notes", [])
     _need(isinstance(notes, list) and all(isinstance(n, str) and n.strip() for n in notes),
           f"{where}.notes: expected a list of sentences, got {notes!r}")
@@ -150,9 +160,20 @@ def parse_study(section, experiment, where="sweep"):
         target=harness._target(section, experiment, where),
         epochs=harness._positive(section.get("epochs", experiment.get("epochs", 10)), f"{where}.epochs", int),
         timeout=harness._positive(section.get("timeout", 1800), f"{where}.timeout"),
-        notes=[" ".join(n.split()) for n in notes])
+        notes=[" ".join(n.split()) for n in notes],
+        point_budgets=_point_budgets(section.get("point_budgets"), points, f"{where}.point_budgets"))
     _need(any(not s.untuned for s in spec.series), f"{where}.series: at least one series must be searched")
     return spec
+
+
+def _point_budgets(value, points, where):
+    """{G: budget}: a point where every searched series gets the same, larger or smaller, budget (for
+    example a second round of trials at a point whose first round left a series at a grid's edge)."""
+    budgets = {}
+    for g, n in harness._mapping(value, where).items():
+        _need(g in points, f"{where}: {g!r} is not a point of the study ({points})")
+        budgets[g] = harness._positive(n, f"{where}.{g}", int)
+    return budgets
 
 
 def point_settings(series, g):
@@ -193,7 +214,7 @@ def plan_study(spec, experiment, sections):
             if series.global_batches is not None and g not in series.global_batches:
                 continue
             where = f"sweep.series.{series.name} (global batch {g})"
-            fixed, points = _trial_points(series, g, spec.budget, where)
+            fixed, points = _trial_points(series, g, spec.budget_at(g), where)
             base, _ = harness.run_config(experiment, sections, series.method, fixed, seed=0, target=spec.target,
                                          epochs=spec.epochs, where=where)
             devices = base["devices"]["logical_cpu"] or 1
