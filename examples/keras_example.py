@@ -40,8 +40,8 @@ model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
               metrics=["accuracy"])
 model = crossbow_tf.use_sma(model, strategy)                                              # extra line 2
 
-# batch_size is the per-learner batch b: each step trains 8 learners on 8 x 16 examples.
-model.fit(x_train, y_train, batch_size=16, epochs=args.epochs, validation_data=(x_test, y_test), verbose=2)
+# batch_size is the global batch per step (as under tf.distribute): 8 learners of 128 / 8 = 16 examples.
+model.fit(x_train, y_train, batch_size=128, epochs=args.epochs, validation_data=(x_test, y_test), verbose=2)
 
 loss, accuracy = model.evaluate(x_test, y_test, verbose=0)        # the central average model z
 model.save(args.out)                                               # a plain Keras model file

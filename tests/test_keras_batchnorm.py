@@ -41,7 +41,7 @@ def test_validation_and_the_fitted_model_use_recomputed_statistics(cpu_devices):
     model = use_sma(_bn_model(), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
     recompute = RecomputeBatchNorm(x, batches=2, batch_size=64)
     seen = SeesStatistics()
-    model.fit(x, y, batch_size=16, epochs=2, validation_data=(x[:64], y[:64]), callbacks=[recompute, seen],
+    model.fit(x, y, batch_size=64, epochs=2, validation_data=(x[:64], y[:64]), callbacks=[recompute, seen],
               verbose=0)
     assert recompute.recomputed == 3 and len(seen.seen) == 2          # 2 validations + the end of fit
     engine = get_training(model).engine

@@ -69,7 +69,7 @@ def test_history_and_validation_report_z(cpu_devices):
     (x, y), (xv, yv) = _problem()
     model = _sma_model(cpu_devices)
     snaps = Snapshots()
-    history = model.fit(x, y, batch_size=8, epochs=EPOCHS, validation_data=(xv, yv), callbacks=[snaps], verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, validation_data=(xv, yv), callbacks=[snaps], verbose=0)
     assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert all(len(v) == EPOCHS for v in history.history.values())
     assert history.epoch == list(range(EPOCHS))
@@ -92,7 +92,7 @@ def test_model_checkpoint_best_only_saves_z(cpu_devices, tmp_path):
         keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch{epoch}.weights.h5"), save_weights_only=True),
         snaps,
     ]
-    history = model.fit(x, y, batch_size=8, epochs=4, validation_data=(xv, yv), callbacks=callbacks, verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=4, validation_data=(xv, yv), callbacks=callbacks, verbose=0)
     best = int(np.argmax(history.history["val_accuracy"]))     # the first maximum: Keras needs strict improvement
     reloaded = keras.models.load_model(best_path)               # plain Keras
     for a, b in zip(reloaded.get_weights(), snaps.weights[best]):
@@ -114,7 +114,7 @@ def test_early_stopping_stops_on_z_validation_metric(cpu_devices):
     # From the third epoch on the learning rate is far too high, so z's validation loss worsens.
     blow_up = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 if epoch < 2 else 3.0)
     stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True)
-    history = model.fit(x, y, batch_size=8, epochs=10, validation_data=(xv, yv),
+    history = model.fit(x, y, batch_size=32, epochs=10, validation_data=(xv, yv),
                         callbacks=[blow_up, stopper, snaps], verbose=0)
     val = history.history["val_loss"]
     best, best_epoch, wait, expected_stop = np.inf, None, 0, None
@@ -143,7 +143,7 @@ def test_csv_logger_rows_match_history(cpu_devices, tmp_path):
     (x, y), (xv, yv) = _problem()
     model = _sma_model(cpu_devices)
     path = str(tmp_path / "log.csv")
-    history = model.fit(x, y, batch_size=8, epochs=EPOCHS, validation_data=(xv, yv),
+    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, validation_data=(xv, yv),
                         callbacks=[keras.callbacks.CSVLogger(path)], verbose=0)
     with open(path) as f:
         rows = list(csv.DictReader(f))
@@ -169,7 +169,7 @@ def test_tensorboard_logs_epoch_scalars(cpu_devices, tmp_path):
     (x, y), (xv, yv) = _problem()
     model = _sma_model(cpu_devices)
     log_dir = str(tmp_path / "tb")
-    history = model.fit(x, y, batch_size=8, epochs=EPOCHS, validation_data=(xv, yv),
+    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, validation_data=(xv, yv),
                         callbacks=[keras.callbacks.TensorBoard(log_dir)], verbose=0)
     np.testing.assert_allclose(_scalars(os.path.join(log_dir, "train"), "epoch_loss"), history.history["loss"],
                                rtol=1e-6)
@@ -191,18 +191,18 @@ def test_backup_and_restore_resumes_learners_and_z(cpu_devices, tmp_path):
     (x, y), _ = _problem()
     backup = str(tmp_path / "backup")
     reference = _sma_model(cpu_devices)
-    reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
 
     interrupted = _sma_model(cpu_devices)
     with pytest.raises(RuntimeError, match="interrupted"):
-        interrupted.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+        interrupted.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
                         callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(2)])
     assert os.path.exists(os.path.join(backup, "latest.weights.h5.crossbow.npz"))
 
     # A new process would build a new model: different initial weights, fresh learners.
     resumed = _sma_model(cpu_devices, seed=99)
     snaps = Snapshots()
-    history = resumed.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+    history = resumed.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
                           callbacks=[keras.callbacks.BackupAndRestore(backup), snaps])
     assert history.epoch == [2]                       # resumed at the third epoch
     for a, b in zip(resumed.get_weights(), reference.get_weights()):
@@ -220,7 +220,7 @@ def test_terminate_on_nan_stops_at_the_bad_iteration(cpu_devices):
     x[70, 0] = np.nan                                 # example 70 is in iteration 2 (examples 64..95)
     model = _sma_model(cpu_devices)
     snaps = Snapshots()
-    history = model.fit(x, y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0,
+    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0,
                         callbacks=[keras.callbacks.TerminateOnNaN(), snaps])
     assert snaps.batches == 3
     assert len(history.epoch) == 1

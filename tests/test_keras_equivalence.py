@@ -37,7 +37,7 @@ def test_ssgd_fit_equals_keras_sgd_at_batch_kb(cpu_devices, devices, per_device)
     model = _compile(_mlp(), keras.optimizers.SGD(0.1, momentum=0.9))
     strategy = CrossbowStrategy(devices=cpu_devices[:devices], learners_per_device=per_device)
     model = use_sma(model, strategy, algorithm="ssgd")
-    history = model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=k * b, epochs=1, shuffle=False, verbose=0)   # the global batch
 
     for ours, theirs in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(ours, theirs, atol=1e-5)
@@ -149,7 +149,7 @@ def test_fit_matches_numpy_transcription(cpu_devices, case):
     strategy = CrossbowStrategy(devices=cpu_devices[:c["devices"]], learners_per_device=c["per_device"])
     options = dict(central_momentum=mu_z) if c["algorithm"] == "sma" else {}
     model = use_sma(model, strategy, algorithm=c["algorithm"], **options)
-    history = model.fit(x, y, batch_size=b, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    history = model.fit(x, y, batch_size=k * b, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
 
     alpha = 1.0 / k if c["algorithm"] == "sma" else 0.9 / k
     z, learners, losses, resets = numpy_reference(initial, x, y, k, b, epochs, lr_at, c["algorithm"],

@@ -30,7 +30,7 @@ def test_functional_multi_input_multi_output_ssgd_equals_keras(cpu_devices, n):
     plain = _multi_io()
     plain_history = plain.fit(x, y, batch_size=k * b, epochs=2, shuffle=False, verbose=0)
     model = use_sma(_multi_io(), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2), algorithm="ssgd")
-    history = model.fit(x, y, batch_size=b, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=k * b, epochs=2, shuffle=False, verbose=0)
     for ours, theirs in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(ours, theirs, atol=1e-5)
     assert set(history.history) == set(plain_history.history)      # incl. per-output losses and metrics
@@ -75,7 +75,7 @@ def test_subclassed_dropout_masks_differ_and_batchnorm_statistics_average(cpu_de
     x = np.tile(np.linspace(-1, 1, 8, dtype="float32"), (16, 1)) + np.linspace(0, 1, 16, dtype="float32")[:, None]
     x = np.concatenate([x] * 4)
     y = np.tile(np.arange(16) % 3, 4).astype("int32")
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     learners = training.learner_weights()
     kernels = [learner[0] for learner in learners]
     for i in range(4):
@@ -84,7 +84,7 @@ def test_subclassed_dropout_masks_differ_and_batchnorm_statistics_average(cpu_de
     # z's BatchNorm moving statistics are the mean of the learners' statistics (here each learner
     # sees different examples, so each keeps different statistics).
     x = np.random.default_rng(3).normal(size=(64, 8)).astype("float32")
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
     engine = training.engine
     float_states = [i for i, f in enumerate(engine._float_state) if f]
     assert len(float_states) == 2                                   # moving mean and variance
@@ -100,7 +100,7 @@ def test_subclassed_model_learns_and_saves_weights(cpu_devices, tmp_path):
     y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")
     model = use_sma(_net(), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
     before = model.evaluate(x, y, verbose=0)[0]
-    history = model.fit(x, y, batch_size=8, epochs=4, verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=4, verbose=0)
     after = model.evaluate(x, y, verbose=0)[0]
     assert after < before and history.history["loss"][-1] < history.history["loss"][0]
     path = str(tmp_path / "net.weights.h5")
@@ -123,7 +123,7 @@ def test_frozen_layer_stays_and_full_model_reloads_with_plain_keras(cpu_devices,
     x, y = rng.normal(size=(64, 5)).astype("float32"), rng.integers(0, 3, 64).astype("int32")
     model = use_sma(model, CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=4), learners=learners)
     assert get_training(model).algorithm.weight_decay == pytest.approx(1e-4)   # SGD(weight_decay) is lambda
-    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     for a, b in zip(frozen.get_weights(), frozen_before):
         np.testing.assert_array_equal(a, b)
     assert not np.allclose(model.layers[-1].get_weights()[0], head_before)

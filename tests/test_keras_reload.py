@@ -45,7 +45,7 @@ def test_sma_trained_model_reloads_in_plain_keras_without_warnings(cpu_devices, 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(256, 8)).astype("float32"), rng.integers(0, 3, 256)
     checkpoint = str(tmp_path / "epoch.weights.h5")
-    model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0,
               callbacks=[keras.callbacks.ModelCheckpoint(checkpoint, save_weights_only=True)])
     model.save(str(tmp_path / "m.keras"))
     model.save_weights(str(tmp_path / "m.weights.h5"))

@@ -63,7 +63,7 @@ def test_each_keras_schedule_trains_with_the_default_reset_rule(cpu_devices, mni
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1))
     log = ResetLog()
-    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, callbacks=[log], verbose=2)
+    model.fit(x, y, batch_size=BATCH * LEARNERS, epochs=EPOCHS, callbacks=[log], verbose=2)
     rule = [line for line in capsys.readouterr().out.splitlines() if line.startswith("crossbow_tf: learner reset")]
     assert len(rule) == 1, rule
     drops = _drops(schedule)
@@ -88,7 +88,7 @@ def test_piecewise_schedule_resets_exactly_at_its_boundaries(cpu_devices, mnist)
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1))
     log = ResetLog()
-    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, callbacks=[log], verbose=0)
+    model.fit(x, y, batch_size=BATCH * LEARNERS, epochs=EPOCHS, callbacks=[log], verbose=0)
     assert log.at == [31, 51]
     assert int(get_training(model).resets.numpy()) == 2
 
@@ -101,7 +101,7 @@ def test_explicit_true_resets_whenever_the_rate_falls(cpu_devices, mnist, capsys
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss=keras.losses.SparseCategoricalCrossentropy(True))
     use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1), reset_on_lr_drop=True)
     log = ResetLog()
-    model.fit(x[:256], y[:256], batch_size=BATCH, epochs=1, callbacks=[log], verbose=1)
+    model.fit(x[:256], y[:256], batch_size=BATCH * LEARNERS, epochs=1, callbacks=[log], verbose=1)
     assert log.at == list(range(1, 8))
     assert "whenever the learning rate falls (reset_on_lr_drop=True; ExponentialDecay may fall" in capsys.readouterr().out
 
@@ -114,6 +114,6 @@ def test_constant_rate_changed_by_a_callback_still_resets(cpu_devices, mnist):
     use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1))
     log = ResetLog()
     drop = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 if epoch == 0 else 0.005)
-    model.fit(x[:512], y[:512], batch_size=BATCH, epochs=2, callbacks=[drop, log], verbose=0)
+    model.fit(x[:512], y[:512], batch_size=BATCH * LEARNERS, epochs=2, callbacks=[drop, log], verbose=0)
     assert log.at == [16]
     assert np.isclose(float(model.optimizer.learning_rate), 0.005)

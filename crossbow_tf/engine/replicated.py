@@ -47,8 +47,9 @@ class ReplicatedLearners:
             s_i = [s[i] for s in states]
             with tf.GradientTape() as tape:
                 tape.watch(w_i)
-                y_pred, s_new, extra = self.model.stateless_call(
-                    w_i, s_i, x[i], training=True, return_losses=True)
+                # As Keras's own stateless trainers do: `training` only for a call() that takes it.
+                training = {"training": True} if getattr(self.model, "_call_has_training_arg", True) else {}
+                y_pred, s_new, extra = self.model.stateless_call(w_i, s_i, x[i], return_losses=True, **training)
                 loss = masked_mean(self.per_example_loss(y[i], y_pred), mask[i])
                 if extra:
                     loss = loss + tf.add_n(extra)

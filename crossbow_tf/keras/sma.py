@@ -112,15 +112,17 @@ def reset_rule(algorithm, optimizer, setting="auto"):
 
 
 def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
-            reset_on_lr_drop="auto", jit_compile=False, learners=None):
+            reset_on_lr_drop="auto", jit_compile=False, learners=None, per_learner_batch=False):
     """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
 
     Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
-    MODEL itself. From then on ``model.fit(..., batch_size=b)`` runs k = strategy.num_learners
-    learners of b examples each per step, and MODEL holds the central average model z.
+    MODEL itself. From then on ``model.fit(..., batch_size=B)`` runs k = strategy.num_learners
+    learners of B / k examples each per step (tf.distribute's convention: B is the global batch),
+    and MODEL holds the central average model z.
 
     Args:
-      model: a built, compiled Keras model (Sequential, Functional or subclassed).
+      model: a compiled Keras model (Sequential, Functional or subclassed); one that is not built yet
+        is built on the first batch of its first ``fit``, as Keras builds it.
       strategy: a CrossbowStrategy (devices x learners per device); default: one learner per device
         of ``CrossbowStrategy()``.
       algorithm: "sma" (default), "ssgd" (Crossbow's synchronous SGD) or "easgd" (elastic averaging).
@@ -134,6 +136,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
         iteration to the next. False: never. ``fit`` prints which rule is in force.
       jit_compile: compile the engine's step with XLA (slower on CPU).
       learners: the engine's learner computation ("auto", "fused", "replicated"); None: the engine's default.
+      per_learner_batch: True gives ``batch_size`` (and a dataset's batch) Crossbow's meaning, the
+        batch b of one learner, so that a step takes k*b examples.
     """
     if strategy is None:
         strategy = CrossbowStrategy()
@@ -141,11 +145,10 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
         raise ValueError(f"strategy must be a crossbow_tf.CrossbowStrategy, got {type(strategy).__name__}")
     if not isinstance(model, keras.Model):
         raise ValueError(f"use_sma needs a keras.Model, got {type(model).__name__}")
-    if not model.built:
-        raise ValueError(f"model {model.name!r} was never built, so it has no weights to replicate: give it a "
-                         "keras.Input, call model.build(input_shape) or call it on a batch first")
-    if not model.trainable_variables:
+    if model.built and not model.trainable_variables:
         raise ValueError(f"model {model.name!r} has no trainable weights")
+    if not isinstance(per_learner_batch, bool):
+        raise ValueError(f"per_learner_batch must be True or False, got {per_learner_batch!r}")
     if not getattr(model, "compiled", False):
         raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
                          "loss=...) first")
@@ -154,8 +157,12 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     detach(model)
     if reset_on_lr_drop not in ("auto", True, False) or not isinstance(reset_on_lr_drop, (str, bool)):
         raise ValueError(f"reset_on_lr_drop must be \"auto\", True or False, got {reset_on_lr_drop!r}")
+    if model.jit_compile and not jit_compile:
+        print("crossbow_tf: compile(jit_compile=True) is not applied: XLA around Keras's step does not "
+              "support the engine's cross-device step; use_sma(..., jit_compile=True) compiles the engine's "
+              "step with XLA (slower on CPU)", flush=True)
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
-                                learners=learners)
+                                learners=learners, per_learner_batch=per_learner_batch)
     setattr(model, _ATTRIBUTE, training)
     for name in _PATCHED:
         setattr(model, name, getattr(training, name))
@@ -196,17 +203,17 @@ class _Synchronise(keras.callbacks.Callback):
 class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
-    def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None):
+    def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None,
+                 per_learner_batch=False):
         self.model = model
         self.strategy = strategy
         self.loss = CompiledLoss(model)
-        # Keras restores optimizer state only when the saved and the live optimizer hold the same
-        # variables; building now makes BackupAndRestore's files agree across processes.
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        options = {} if learners is None else {"learners": learners}
-        self.engine = Engine(model, self.loss, algorithm, strategy, jit_compile=jit_compile, **options)
-        self.algorithm = self.engine.algorithm
+        self.per_learner_batch = per_learner_batch
+        self._engine_options = dict(jit_compile=jit_compile, **({} if learners is None else {"learners": learners}))
+        self.engine = None
+        self.algorithm = algorithm.resolve(strategy.num_learners)
+        if model.built:
+            self._build_engine()
         self.reset_setting = reset_on_lr_drop
         self.reset_on_lr_drop, self.reset_rule = reset_rule(self.algorithm, model.optimizer, reset_on_lr_drop)
         # 0 means "no iteration yet": a learning rate is never below it, so the first step never resets.
@@ -224,32 +231,68 @@ class CrossbowTraining:
     def num_learners(self):
         return self.strategy.num_learners
 
+    def _build_engine(self):
+        model = self.model
+        # Keras restores optimizer state only when the saved and the live optimizer hold the same
+        # variables; building now makes BackupAndRestore's files agree across processes.
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        self.engine = Engine(model, self.loss, self.algorithm, self.strategy, **self._engine_options)
+
+    def build_on(self, first_batch):
+        """Builds a model that is not built yet on FIRST_BATCH ((x, y[, sample_weight]) or a callable
+        giving it), as Keras's fit builds it, then the learners."""
+        if self.engine is not None:
+            return
+        model = self.model
+        if not model.built:
+            batch = first_batch() if callable(first_batch) else first_batch
+            # Keras's own build from a data batch (what fit runs under a tf.distribute strategy).
+            model._symbolic_build(data_batch=batch)
+        if not model.trainable_variables:
+            raise ValueError(f"model {model.name!r} has no trainable weights")
+        self._build_engine()
+
+    def _require_engine(self):
+        if self.engine is None:
+            raise ValueError(f"model {self.model.name!r} is not built yet: its learners are created on the "
+                             "first batch of fit (or train_on_batch)")
+        return self.engine
+
     # ----------------------------------------------------------------------------------- the step
     def train_step(self, data):
         model = self.model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise ValueError("sample weights are not supported by Crossbow training: every real example "
-                             "weighs the same in the learners' losses")
-        if y is None:
-            raise ValueError("Crossbow training needs targets y for the compiled loss")
         first = next(leaf for leaf in tree.flatten(x) if leaf is not None)
+        if y is None:
+            if self.loss.has_loss:
+                raise ValueError("Crossbow training needs targets y for the compiled loss")
+            # The loss comes from add_loss alone; the engine still cuts a target tensor into slices.
+            y_targets = tf.zeros([tf.shape(first)[0]], tf.float32)
+        else:
+            y_targets = y
         global_batch = self._global_batch_for(first)
         n = tf.shape(first)[0]
         fits = tf.debugging.assert_less_equal(
-            n, global_batch, message=f"a training batch holds more than k*b = {global_batch} examples; "
+            n, global_batch, message=f"a training batch holds more than B = k*b = {global_batch} examples; "
                                      "every batch of a dataset or generator must have the size of its first")
         with tf.control_dependencies([fits]):
             index = tf.range(global_batch) % n
         # Padding repeats the iteration's own examples; the mask keeps them out of losses and metrics.
-        x_pad = tree.map_structure(lambda t: tf.gather(t, index), x)
-        y_pad = tree.map_structure(lambda t: tf.gather(t, index), y)
+        pad = lambda structure: tree.map_structure(lambda t: tf.gather(t, index), structure)  # noqa: E731
+        x_pad, y_pad = pad(x), pad(y_targets)
         mask = tf.cast(tf.range(global_batch) < n, tf.float32)
         self._prepare(x_pad, y_pad)
-        if self._packers is None:
-            x_in, y_in = x_pad, y_pad
-        else:
-            x_in, y_in = self._packers[0].pack(x_pad), self._packers[1].pack(y_pad)
+        targets = y_pad
+        if sample_weight is not None:
+            if not self.loss.has_loss:
+                raise ValueError("sample weights apply to the compiled loss, and the model was compiled "
+                                 "without one (its loss comes from add_loss alone)")
+            _check_sample_weight(sample_weight)
+            targets = (y_pad, pad(sample_weight), mask)
+        self._pack_targets(targets, weighted=sample_weight is not None)
+        x_in = x_pad if self._packers is None else self._packers[0].pack(x_pad)
+        y_in = targets if self.loss.target_packer is None else self.loss.target_packer.pack(targets)
 
         lr = tf.cast(tf.convert_to_tensor(model.optimizer.learning_rate), tf.float32)
         if self.reset_on_lr_drop:
@@ -263,19 +306,20 @@ class CrossbowTraining:
             predictions = self._packers[2].unpack(predictions)
         # The loss is the iteration's (all workers'); the predictions are this worker's rows.
         model._loss_tracker.update_state(loss, sample_weight=tf.cast(n, tf.float32))
+        weights = None if sample_weight is None else pad(sample_weight)
         if self.strategy.num_workers > 1:
             start, stop = self.engine.local_rows(global_batch)
-            y = tree.map_structure(lambda t: t[start:stop], y_pad)
+            y_pad, weights = tree.map_structure(lambda t: None if t is None else t[start:stop], (y_pad, weights))
             n = tf.clip_by_value(n - start, 0, stop - start)
-        # Padding rows come last; compiled `metrics` ignore sample weights, so they are cut off.
-        predictions = tree.map_structure(lambda t: t[:n], predictions)
-        y = tree.map_structure(lambda t: t[:n], y)
+        # Padding rows come last and are cut off before Keras's metrics see the step.
+        predictions, y_pad, weights = tree.map_structure(lambda t: None if t is None else t[:n], (predictions, y_pad, weights))
         real = tf.cast(n, tf.float32)
         output_metrics = self.loss.output_metrics
         if output_metrics:
-            for metric, values in zip(output_metrics, self.loss.per_output(y, predictions)):
+            ones = None if weights is None else tf.ones([n], tf.float32)
+            for metric, values in zip(output_metrics, self.loss.per_output(y_pad, predictions, weights, ones)):
                 metric.update_state(tf.reduce_mean(values), sample_weight=real)
-        return model.compute_metrics(x, y, predictions)
+        return model.compute_metrics(x, None if y is None else y_pad, predictions, sample_weight=weights)
 
     def _reset_learners(self):
         self.engine.reset_learners()
@@ -291,35 +335,47 @@ class CrossbowTraining:
         return self.num_learners * math.ceil(n / self.num_learners)
 
     def _prepare(self, x, y):
-        """Resolves the loss structure (and packing of nested data) once, at the first trace."""
+        """Resolves the loss structure (and packing of nested inputs and outputs) once, at the first trace."""
         if self._prepared:
             return
         spec = tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), x)
         y_pred = self.model.compute_output_spec(spec)
         self.loss.build(y, y_pred)
-        if tree.is_nested(x) or tree.is_nested(y) or tree.is_nested(y_pred):
+        if tree.is_nested(x) or tree.is_nested(y_pred):
             # The engine slices single tensors; nested inputs and outputs travel packed.
-            self._packers = (Packer(x), Packer(y), Packer(y_pred, differentiable=True))
+            self._packers = (Packer(x), None, Packer(y_pred, differentiable=True))
+            self.loss.output_packer = self._packers[2]
             packed = PackedModel(self.model, self._packers[0], self._packers[2])
-            self.engine.learners = ReplicatedLearners(packed, self._packed_loss)
+            self.engine.learners = ReplicatedLearners(packed, self.loss)
         self._prepared = True
 
-    def _packed_loss(self, y, y_pred):
-        return self.loss(self._packers[1].unpack(y), self._packers[2].unpack(y_pred))
+    def _pack_targets(self, targets, weighted):
+        # Read when the engine's step is traced: nested targets, or targets with their sample
+        # weights, reach every learner's loss packed into one tensor.
+        self.loss.weighted = weighted
+        self.loss.target_packer = Packer(targets) if tree.is_nested(targets) else None
 
     # ------------------------------------------------------------------------------ Keras entry points
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, sample_weight=None,
-            **kwargs):
-        """Keras's fit with batch_size = the per-learner batch b (see docs/keras.md)."""
-        if class_weight is not None or sample_weight is not None:
-            raise ValueError("class_weight and sample_weight are not supported by Crossbow training")
+            steps_per_epoch=None, validation_batch_size=None, **kwargs):
+        """Keras's fit with batch_size = the global batch B per step, k learners of B / k each (or,
+        with per_learner_batch, the per-learner batch b; see docs/keras.md)."""
         self._check_optimizer_unchanged()
+        k = self.num_learners
+        data = data_lib.plan(x, y, sample_weight, batch_size, k, self.per_learner_batch,
+                             steps_per_epoch=steps_per_epoch, validation_split=validation_split)
+        self.build_on(data.first_batch)
         self._resolve_reset_rule()
+        self._use_global_batch(data.global_batch)
         if verbose != 0:
+            steps = "an unknown number of" if data.steps_per_epoch is None else data.steps_per_epoch
+            print(f"crossbow_tf: {k} learners x {data.per_learner} examples = {data.global_batch} per step, "
+                  f"{steps} steps per epoch", flush=True)
             print(f"crossbow_tf: {self.reset_rule}", flush=True)
-        x, keras_batch_size, b = data_lib.group_for_learners(x, batch_size, self.num_learners)
-        self._use_global_batch(self.num_learners * b)
+        if self.per_learner_batch and validation_batch_size is None:
+            # Validation runs in the batch the user chose, as the progress and on_test_batch_* hooks expect.
+            validation_batch_size = data.per_learner
         if isinstance(callbacks, keras.callbacks.CallbackList):
             raise ValueError("pass callbacks as a list, not a CallbackList")
         callbacks = list(callbacks or [])
@@ -332,15 +388,17 @@ class CrossbowTraining:
         try:
             with cluster.guard() if cluster is not None else contextlib.nullcontext():
                 return type(self.model).fit(
-                    self.model, x=x, y=y, batch_size=keras_batch_size, epochs=epochs, verbose=verbose,
+                    self.model, x=data.x, y=y, batch_size=data.keras_batch_size, epochs=epochs, verbose=verbose,
                     callbacks=callbacks, validation_split=validation_split, validation_data=validation_data,
-                    shuffle=shuffle, **kwargs)
+                    shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
+                    steps_per_epoch=steps_per_epoch, validation_batch_size=validation_batch_size, **kwargs)
         finally:
             self._backup_paths = set()
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """One iteration on a global batch of x (cut into k slices, padded to a multiple of k)."""
         self._check_optimizer_unchanged()
+        self.build_on((x, y, sample_weight))
         self._resolve_reset_rule()
         n = len(tree.flatten(x)[0])
         self._use_global_batch(self.num_learners * math.ceil(n / self.num_learners))
@@ -386,7 +444,7 @@ class CrossbowTraining:
         """Starts the learners from the model's weights if they are no longer z (set_weights, loading).
 
         On several workers (and FROM_CHIEF) every worker first takes the chief's model weights."""
-        engine, model = self.engine, self.model
+        engine, model = self._require_engine(), self.model
         current = [v.numpy() for v in model.trainable_variables]
         states = [v.numpy() for v in model.non_trainable_variables]
         if self.strategy.cluster is not None and from_chief:
@@ -421,14 +479,14 @@ class CrossbowTraining:
 
     def learner_weights(self):
         """Every learner's trainable weights (list over learners of lists of arrays)."""
-        return self.engine.learner_weights()
+        return self._require_engine().learner_weights()
 
     def center_weights(self):
-        return self.engine.center_weights()
+        return self._require_engine().center_weights()
 
     def state_variables(self):
         """Every variable of the learners and z (all devices), in a fixed order."""
-        e = self.engine
+        e = self._require_engine()
         groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states)
         return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
 
@@ -490,6 +548,12 @@ class CrossbowTraining:
 # since it may change training (a learning-rate schedule, early stopping on the same z's metrics).
 _WRITING_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
                       keras.callbacks.ProgbarLogger)
+
+
+def _check_sample_weight(sample_weight):
+    for leaf in tree.flatten(sample_weight):
+        if leaf is not None and leaf.shape.rank == 0:
+            raise ValueError("sample weights need one weight per example (a leading batch dimension); got a scalar")
 
 
 def _callbacks_of_worker(cluster, callbacks, verbose):

@@ -15,6 +15,8 @@ import math
 import keras
 import tensorflow as tf
 from keras import tree
+# Keras's own rule for matching sample weights to losses of another rank.
+from keras.src.losses.loss import squeeze_or_expand_to_same_rank
 
 # Reductions under which Keras's reduced loss equals the mean of the per-example losses that the
 # engine averages; any other reduction would make SMA optimise a different objective.
@@ -24,8 +26,10 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 def check_compiled_loss(model):
     """Raises ValueError for a loss that Keras would reject or that the engine cannot average."""
     loss = getattr(model, "loss", None)
-    if loss is None or all(l is None for l in tree.flatten(loss)):
-        raise ValueError(f"model {model.name!r} was compiled without a loss: pass loss=... to "
+    if loss is None:
+        return   # the model's loss comes from add_loss alone; CompiledLoss then gives 0 per example
+    if all(l is None for l in tree.flatten(loss)):
+        raise ValueError(f"model {model.name!r} was compiled with no loss for any output: pass loss=... to "
                          "model.compile() before enabling Crossbow training")
     for leaf in tree.flatten(loss):
         if leaf is None:
@@ -83,17 +87,33 @@ def _per_example_mean(values):
 
 
 class CompiledLoss:
-    """The model's compiled loss, evaluated per example.
+    """The model's compiled loss, evaluated per example, with Keras's sample-weight semantics.
 
     ``build`` must run once (at trace time of the first training step) with the targets and a
-    symbolic description of the outputs.
+    symbolic description of the outputs. A model compiled without a loss (its loss comes from
+    ``add_loss`` alone) gives 0 per example; the engine adds the model's own losses.
+
+    The engine hands the loss one learner's targets and predictions. When the step carries sample
+    weights, ``target_packer`` packs (y, sample_weight, real) into the targets, where REAL marks the
+    learner's real (not padding) examples, so that every learner's loss is Keras's weighted
+    reduction over its own examples: sum(w*l) / examples, or sum(w*l) / sum(w) for
+    reduction="mean_with_sample_weight". ``output_packer`` unpacks packed predictions.
     """
 
     def __init__(self, model):
         self.model = model
         self.compile_loss = model._compile_loss
+        self.target_packer = None
+        self.weighted = False
+        self.output_packer = None
+
+    @property
+    def has_loss(self):
+        return self.compile_loss is not None
 
     def build(self, y_true, y_pred_spec):
+        if not self.has_loss:
+            return
         y_true = _reconcile_targets(self.compile_loss, y_true, y_pred_spec)
         if not self.compile_loss.built:
             try:
@@ -104,10 +124,12 @@ class CompiledLoss:
     @property
     def output_metrics(self):
         """Keras's per-output loss trackers (present when the model has several losses)."""
-        return list(self.compile_loss.metrics)
+        return list(self.compile_loss.metrics) if self.has_loss else []
 
-    def per_output(self, y_true, y_pred):
-        """Unweighted per-example losses, one (n,) tensor per resolved loss."""
+    def per_output(self, y_true, y_pred, sample_weight=None, real=None):
+        """Per-example losses, one (n,) tensor per resolved loss, each weighted by SAMPLE_WEIGHT (a
+        tensor for every output, or a structure like the outputs') as Keras's reduction weighs it;
+        REAL (n,) marks the examples that count in a weighted mean."""
         cl = self.compile_loss
         y_true = _reconcile_targets(cl, y_true, y_pred)
         try:
@@ -125,17 +147,48 @@ class CompiledLoss:
             y_t = tree.map_structure(lambda t: tf.cast(t, dtype), y_t)
             y_p = tree.map_structure(lambda t: tf.cast(t, dtype), y_p)
             values = loss_fn.call(y_t, y_p) if hasattr(loss_fn, "call") else loss_fn(y_t, y_p)
+            values = tf.convert_to_tensor(values)
+            if sample_weight is not None:
+                weight = _resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
+                values = _weighted(values, weight, real, getattr(loss_fn, "reduction", None))
             out.append(tf.cast(_per_example_mean(values), tf.float32))
         return out
 
-    def __call__(self, y_true, y_pred):
+    def unpack_targets(self, y_in):
+        """(y, sample_weight, real) of the engine's targets."""
+        targets = self.target_packer.unpack(y_in) if self.target_packer is not None else y_in
+        return targets if self.weighted else (targets, None, None)
+
+    def __call__(self, y_in, y_pred):
         """The weighted sum over outputs of the per-example losses: shape (n,)."""
+        if self.output_packer is not None:
+            y_pred = self.output_packer.unpack(y_pred)
+        if not self.has_loss:
+            first = tree.flatten(y_pred)[0]
+            return tf.zeros([tf.shape(first)[0]], tf.float32)
+        y_true, sample_weight, real = self.unpack_targets(y_in)
         total = None
-        for value, (_, _, weight, _) in zip(self.per_output(y_true, y_pred), self.compile_loss._flat_losses):
+        for value, (_, _, weight, _) in zip(self.per_output(y_true, y_pred, sample_weight, real),
+                                            self.compile_loss._flat_losses):
             if weight is not None:
                 value = value * weight
             total = value if total is None else total + value
         return total
+
+
+def _weighted(values, weight, real, reduction):
+    """VALUES (n, ...) times the sample weights, scaled for REDUCTION so that their mean over the
+    real examples is Keras's weighted reduction."""
+    weight = tf.cast(weight, values.dtype)
+    values, weight = squeeze_or_expand_to_same_rank(values, weight)
+    weighted = values * weight
+    if reduction == "mean_with_sample_weight":
+        # Keras divides by the sum of the weights, not by the number of examples.
+        real = tf.reshape(tf.cast(real, values.dtype), [-1] + [1] * (len(weighted.shape) - 1))
+        real = tf.broadcast_to(real, tf.shape(weighted))
+        weight = tf.broadcast_to(weight, tf.shape(weighted))
+        weighted = weighted * tf.math.divide_no_nan(tf.reduce_sum(real), tf.reduce_sum(weight * real))
+    return weighted
 
 
 class Packer:
