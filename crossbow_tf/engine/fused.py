@@ -1,23 +1,40 @@
 """Fused learners: the m learners of a device run as one computation.
 
-Learners are an axis, not a loop. Per-learner activations are kept in one of two layouts, chosen by
-the rank of the single-learner tensor, so that the expensive layers need no transposes:
+Learners are an axis, not a loop. Per-learner activations are kept in one of three layouts, chosen
+by the rank of the single-learner tensor, so that the expensive layers need no transposes:
 - images (b, H, W, C) -> (b, H, W, m, C): a Conv2D over all learners is one grouped convolution
-  (input (b, H, W, m*C), filter (kh, kw, C, m*O)), pooling works on (b, H, W, m*C) unchanged;
+  (input (b, H, W, m*C), filter (kh, kw, C, m*O)), pooling works on (b, H, W, m*C) unchanged, and
+  so does a DepthwiseConv2D (filter (kh, kw, m*C, d)); a SeparableConv2D is that depthwise
+  convolution followed by a grouped 1x1 convolution;
+- sequences (b, L, C) -> (b, L, m, C): a Conv1D is a grouped convolution of (b, 1, L, m*C), 1-D
+  pooling works on (b, L, m*C);
 - features (b, F) -> (m, b, F): a Dense over all learners is one batched matmul.
-Flatten and global pooling move from the first layout to the second. BatchNorm keeps statistics
+Flatten and global pooling move from the first two layouts to the third. BatchNorm keeps statistics
 per learner; Dropout draws each learner's mask from that learner's own seed, exactly as Keras does,
-so fused and replicated learners compute the same numbers.
+so fused and replicated learners compute the same numbers. Rescaling and Normalization act on
+every element alike and run once on the fused layout (Normalization's adapted statistics are
+constants of its call and are never written). Keras's image preprocessing and augmentation layers
+(RandomFlip, RandomRotation, RandomCrop, ...; every subclass of its BaseImagePreprocessingLayer)
+run once per learner on that learner's slice with that learner's seed state: their random
+transformations are drawn per batch or per image with shapes that vary by layer, so Keras's own
+call on each slice is the one form that draws exactly what a replicated learner draws. They are
+cheap beside the convolutions that follow them. Nested Sequential and Functional models are walked
+into, layer by layer.
 
 The model's Keras graph is walked with each layer replaced by its fused form; a model with a layer
 that has no fused form raises UnsupportedModel, and `make_learners` falls back to replicated
-learners with a one-line notice.
+learners with a one-line notice, once per model.
 """
 import logging
+import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import layers as L
+# Not exported by Keras: the base of every image preprocessing and augmentation layer it ships.
+from keras.src.layers.preprocessing.image_preprocessing.base_image_preprocessing_layer import (
+    BaseImagePreprocessingLayer)
 
 from crossbow_tf.engine.replicated import ReplicatedLearners, masked_mean, per_example_loss_fn
 
@@ -26,7 +43,9 @@ log = logging.getLogger("crossbow_tf")
 _ELEMENTWISE = (L.Activation, L.ReLU, L.LeakyReLU, L.ELU, L.Softmax, L.Add, L.Subtract, L.Multiply,
                 L.Average, L.Maximum, L.Minimum)
 _REGULARIZERS = ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
-                 "gamma_regularizer", "beta_regularizer")
+                 "gamma_regularizer", "beta_regularizer", "depthwise_regularizer", "pointwise_regularizer")
+# Single-learner ranks with a fused layout: feature vectors, sequences, images.
+_FUSED_RANKS = (2, 3, 4)
 
 
 class UnsupportedModel(ValueError):
@@ -37,11 +56,41 @@ def _graph_of(model):
     if isinstance(model, keras.Sequential):
         graph = getattr(model, "_functional", None)
         if graph is None:
-            raise UnsupportedModel("a Sequential model without an Input cannot be walked")
+            raise UnsupportedModel(f"the Sequential model {model.name!r} has no Input and was never built, "
+                                   "so it cannot be walked")
         return graph
     if isinstance(model, keras.Model) and hasattr(model, "_run_through_graph") and hasattr(model, "_nodes_by_depth"):
         return model
     raise UnsupportedModel(f"subclassed model {type(model).__name__} has no layer graph to fuse")
+
+
+def _is_submodel(layer):
+    return isinstance(layer, keras.Model)
+
+
+def _check_graph(graph, prefix=""):
+    """Raises UnsupportedModel naming the first layer of GRAPH (or of a model nested in it) that has
+    no fused form, or a use of one in a layout that has none."""
+    for layer in graph.operations:
+        if _is_submodel(layer):
+            _check_graph(_graph_of(layer), f"{prefix}{layer.name}/")
+            continue
+        reason = _why_unsupported(layer)
+        if reason is not None:
+            raise UnsupportedModel(f"layer {prefix + layer.name!r} ({type(layer).__name__}): {reason}")
+    for nodes in graph._nodes_by_depth.values():
+        for node in nodes:
+            for t in list(node.input_tensors) + list(node.output_tensors):
+                if len(t.shape) not in _FUSED_RANKS:
+                    name = prefix + (node.operation.name if node.operation else "input")
+                    raise UnsupportedModel(f"layer {name!r}: a tensor of rank {len(t.shape)}; only images "
+                                           "(rank 4), sequences (rank 3) and feature vectors (rank 2) are fused")
+            if node.operation is None or node.is_input or _is_submodel(node.operation):
+                continue
+            reason = _why_unsupported_on(node.operation, [len(t.shape) for t in node.input_tensors])
+            if reason is not None:
+                raise UnsupportedModel(f"layer {prefix + node.operation.name!r} "
+                                       f"({type(node.operation).__name__}): {reason}")
 
 
 def onednn_enabled():
@@ -58,6 +107,15 @@ def onednn_enabled():
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
+def _conv_reason(layer, paddings):
+    if layer.padding not in paddings:
+        return f"padding {layer.padding!r} is not fused"
+    if not onednn_enabled():
+        return ("the learners' grouped convolution needs oneDNN, which is off in this process "
+                "(set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow is imported)")
+    return None
+
+
 def _why_unsupported(layer):
     """None when LAYER has a fused form, else the reason."""
     if isinstance(layer, L.InputLayer):
@@ -67,18 +125,20 @@ def _why_unsupported(layer):
             return f"it has a {name.replace('_', ' ')}"
     if getattr(layer, "data_format", "channels_last") != "channels_last":
         return "only channels_last is fused"
-    if isinstance(layer, L.Conv2D) and type(layer) is L.Conv2D:
-        if layer.groups != 1:
-            return "grouped Conv2D is not fused"
-        if layer.padding not in ("valid", "same"):
-            return f"padding {layer.padding!r} is not fused"
-        if not onednn_enabled():
-            return ("the learners' grouped convolution needs oneDNN, which is off in this process "
-                    "(set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow is imported)")
+    if isinstance(layer, BaseImagePreprocessingLayer):
         return None
+    if type(layer) in (L.Conv2D, L.Conv1D):
+        if layer.groups != 1:
+            return f"grouped {type(layer).__name__} is not fused"
+        return _conv_reason(layer, ("valid", "same", "causal") if type(layer) is L.Conv1D else ("valid", "same"))
+    if type(layer) is L.SeparableConv2D:
+        return _conv_reason(layer, ("valid", "same"))
+    if type(layer) is L.DepthwiseConv2D:
+        return None if layer.padding in ("valid", "same") else f"padding {layer.padding!r} is not fused"
     if type(layer) in (L.Dense, L.Flatten, L.Dropout, L.MaxPooling2D, L.AveragePooling2D,
-                       L.GlobalAveragePooling2D, L.GlobalMaxPooling2D, L.ZeroPadding2D):
-        if isinstance(layer, (L.GlobalAveragePooling2D, L.GlobalMaxPooling2D)) and layer.keepdims:
+                       L.GlobalAveragePooling2D, L.GlobalMaxPooling2D, L.ZeroPadding2D, L.MaxPooling1D,
+                       L.AveragePooling1D, L.GlobalAveragePooling1D, L.GlobalMaxPooling1D, L.ZeroPadding1D):
+        if getattr(layer, "keepdims", False):
             return "keepdims=True is not fused"
         return None
     if type(layer) is L.BatchNormalization:
@@ -87,10 +147,31 @@ def _why_unsupported(layer):
         return None
     if type(layer) is L.Concatenate:
         return None if layer.axis == -1 else "Concatenate along an axis other than the last is not fused"
+    if type(layer) is L.Rescaling:
+        # A scale or offset per channel broadcasts against the last axis in every layout; one with
+        # more axes would meet the learner axis.
+        if any(np.ndim(value) > 1 for value in (layer.scale, layer.offset)):
+            return "a scale or offset with more than one axis is not fused"
+        return None
+    if type(layer) is L.Normalization:
+        return None
     if type(layer) in _ELEMENTWISE:
         return None if not isinstance(layer, L.Softmax) or layer.axis in (-1, [-1]) else \
             "Softmax along an axis other than the last is not fused"
     return "it has no fused form"
+
+
+def _why_unsupported_on(layer, input_ranks):
+    """None when LAYER's fused form serves inputs of INPUT_RANKS (single-learner ranks), else the reason."""
+    rank = input_ranks[0] if input_ranks else None
+    if type(layer) is L.BatchNormalization and layer.axis not in (-1, rank - 1):
+        return f"BatchNormalization over axis {layer.axis} of a rank-{rank} tensor (only the last) is not fused"
+    if type(layer) is L.Normalization:
+        kept = {a % rank for a in layer.axis}
+        if not kept <= {rank - 1}:
+            return (f"Normalization keeping axes {tuple(layer.axis)} of a rank-{rank} tensor (only the last, "
+                    "or none) is not fused")
+    return None
 
 
 # Activations that act on each element alone, so they may run on the merged (b, H, W, m*C) layout,
@@ -127,90 +208,135 @@ class FusedLearners:
 
     def __init__(self, model, loss):
         graph = _graph_of(model)
-        for layer in graph.operations:
-            reason = _why_unsupported(layer)
-            if reason is not None:
-                raise UnsupportedModel(f"layer {layer.name!r} ({type(layer).__name__}): {reason}")
-        for nodes in graph._nodes_by_depth.values():
-            for node in nodes:
-                for t in list(node.input_tensors) + list(node.output_tensors):
-                    if len(t.shape) not in (2, 4):
-                        name = node.operation.name if node.operation else "input"
-                        raise UnsupportedModel(f"layer {name!r}: a tensor of rank {len(t.shape)}; only "
-                                               "images (rank 4) and feature vectors (rank 2) are fused")
+        _check_graph(graph)
         self.model, self.graph = model, graph
         self.per_example_loss = per_example_loss_fn(loss)
         self._t_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         self._s_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
 
     # ---- layouts ---------------------------------------------------------------------------
+    # A fused tensor of rank 3 is (m, b, F); of rank 4 or 5, (b, ..., m, C) with the learners second
+    # to last.
+    @staticmethod
+    def _learner_axis(rank):
+        return 0 if rank == 3 else rank - 2
+
     @staticmethod
     def _to_fused(x):
         """(m, b, ...) stacked per-learner tensor -> fused layout."""
-        if len(x.shape) == 5:
-            return tf.transpose(x, [1, 2, 3, 0, 4])
+        rank = len(x.shape)
+        if rank >= 4:
+            return tf.transpose(x, list(range(1, rank - 1)) + [0, rank - 1])
         return x
 
     @staticmethod
     def _to_stacked(x):
-        if len(x.shape) == 5:
-            return tf.transpose(x, [3, 0, 1, 2, 4])
+        rank = len(x.shape)
+        if rank >= 4:
+            return tf.transpose(x, [rank - 2] + list(range(rank - 2)) + [rank - 1])
         return x
 
     @staticmethod
-    def _merge(x):   # (b, H, W, m, C) -> (b, H, W, m*C)
-        s = tf.shape(x)
-        return tf.reshape(x, [s[0], s[1], s[2], x.shape[3] * x.shape[4]])
+    def _leading_shape(x, axes):
+        return [x.shape[a] if x.shape[a] is not None else tf.shape(x)[a] for a in range(axes)]
 
-    @staticmethod
-    def _split(x, m):   # (b, H, W, m*C) -> (b, H, W, m, C)
-        s = tf.shape(x)
-        return tf.reshape(x, [s[0], s[1], s[2], m, x.shape[3] // m])
+    def _merge(self, x):   # (b, ..., m, C) -> (b, ..., m*C)
+        return tf.reshape(x, self._leading_shape(x, len(x.shape) - 2) + [x.shape[-2] * x.shape[-1]])
+
+    def _split(self, x, m):   # (b, ..., m*C) -> (b, ..., m, C)
+        return tf.reshape(x, self._leading_shape(x, len(x.shape) - 1) + [m, x.shape[-1] // m])
+
+    def _learner_slice(self, x, i):
+        return x[i] if len(x.shape) == 3 else x[..., i, :]
+
+    def _stack_learners(self, slices):
+        """The fused tensor of the single-learner tensors SLICES."""
+        return tf.stack(slices, axis=self._learner_axis(len(slices[0].shape) + 1))
 
     # ---- layers ----------------------------------------------------------------------------
     def _w(self, variable):
-        """The learners' stack of VARIABLE: trainable, or frozen (kept with the non-trainable state)."""
+        """The learners' stack of VARIABLE: trainable, or frozen (kept with the non-trainable state)
+        as this step has left it so far (a layer used twice sees its first use's update)."""
         index = self._t_index.get(id(variable))
         if index is not None:
             return self._weights[index]
-        return self._states[self._s_index[id(variable)]]
+        return self._new_states[self._s_index[id(variable)]]
+
+    def _grouped_conv(self, layer, x, kernel, strides, dilations, padding):
+        """The learners' convolution of merged X with their stacked KERNEL (m, kh, kw, C, O), bias and
+        activation: one grouped convolution (see module doc)."""
+        m = self._m
+        kh, kw, c, o = kernel.shape[1:]
+        kernel = tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]), [kh, kw, c, m * o])
+        y = tf.nn.conv2d(x, kernel, strides=strides, padding=padding, dilations=dilations)
+        if layer.use_bias:
+            y = tf.nn.bias_add(y, tf.reshape(self._w(layer.bias), [m * o]))
+        if layer.activation in _ELEMENTWISE_ACTIVATIONS:
+            return self._split(layer.activation(y), m)
+        return layer.activation(self._split(y, m))
 
     def _apply(self, layer, inputs):
         m = self._m
+        if _is_submodel(layer):
+            return self._run(_graph_of(layer), inputs)
+        if isinstance(layer, BaseImagePreprocessingLayer):
+            return self._per_learner(layer, inputs[0])
         if isinstance(layer, L.Conv2D):
+            return self._grouped_conv(layer, self._merge(inputs[0]), self._w(layer.kernel), layer.strides,
+                                      layer.dilation_rate, layer.padding.upper())
+        if isinstance(layer, L.Conv1D):
             x = inputs[0]
-            kernel = self._w(layer.kernel)                        # (m, kh, kw, C, O)
-            kh, kw, c, o = kernel.shape[1:]
-            kernel = tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]), [kh, kw, c, m * o])
-            y = tf.nn.conv2d(self._merge(x), kernel, strides=layer.strides, padding=layer.padding.upper(),
-                             dilations=layer.dilation_rate)
-            if layer.use_bias:
-                y = tf.nn.bias_add(y, tf.reshape(self._w(layer.bias), [m * o]))
-            if layer.activation in _ELEMENTWISE_ACTIVATIONS:
-                return self._split(layer.activation(y), m)
-            return layer.activation(self._split(y, m))
+            if layer.padding == "causal":
+                x = tf.pad(x, [[0, 0], [layer.dilation_rate[0] * (layer.kernel_size[0] - 1), 0], [0, 0], [0, 0]])
+            # As Keras's TensorFlow backend computes a 1-D convolution: a 2-D one of height 1.
+            x = tf.expand_dims(self._merge(x), 1)
+            kernel = tf.expand_dims(self._w(layer.kernel), 1)                # (m, 1, k, C, O)
+            padding = "VALID" if layer.padding == "causal" else layer.padding.upper()
+            y = self._grouped_conv(layer, x, kernel, (1,) + tuple(layer.strides),
+                                   (1,) + tuple(layer.dilation_rate), padding)
+            return tf.squeeze(y, 1)
+        if isinstance(layer, L.DepthwiseConv2D):
+            return self._depthwise(layer, inputs[0], layer.kernel, bias=True)
+        if isinstance(layer, L.SeparableConv2D):
+            y = self._merge(self._depthwise(layer, inputs[0], layer.depthwise_kernel, bias=False))
+            return self._grouped_conv(layer, y, self._w(layer.pointwise_kernel), 1, 1, "VALID")
         if isinstance(layer, L.Dense):
             x = inputs[0]
-            y = _learners_matmul(x, self._w(layer.kernel))
+            kernel = self._w(layer.kernel)
+            if len(x.shape) == 3:
+                y = _learners_matmul(x, kernel)
+                bias_shape = [m, 1, kernel.shape[-1]]
+            else:
+                y = tf.einsum("...mf,mfo->...mo", x, kernel)
+                bias_shape = [m, kernel.shape[-1]]
             if layer.use_bias:
-                y = y + self._w(layer.bias)[:, None, :]
+                y = y + tf.reshape(self._w(layer.bias), bias_shape)
             return layer.activation(y)
         if isinstance(layer, L.Flatten):
             x = inputs[0]
             if len(x.shape) == 3:
                 return x
-            y = tf.transpose(x, [3, 0, 1, 2, 4])
-            return tf.reshape(y, [m, tf.shape(y)[1], y.shape[2] * y.shape[3] * y.shape[4]])
-        if isinstance(layer, (L.MaxPooling2D, L.AveragePooling2D)):
-            pool = tf.nn.max_pool2d if isinstance(layer, L.MaxPooling2D) else tf.nn.avg_pool2d
+            y = self._to_stacked(x)
+            size = 1
+            for d in y.shape[2:]:
+                size *= d
+            return tf.reshape(y, [m, tf.shape(y)[1], size])
+        if isinstance(layer, (L.MaxPooling2D, L.AveragePooling2D, L.MaxPooling1D, L.AveragePooling1D)):
+            pool = tf.nn.max_pool if isinstance(layer, (L.MaxPooling2D, L.MaxPooling1D)) else tf.nn.avg_pool
             y = pool(self._merge(inputs[0]), layer.pool_size, layer.strides, layer.padding.upper())
             return self._split(y, m)
-        if isinstance(layer, (L.GlobalAveragePooling2D, L.GlobalMaxPooling2D)):
-            reduce = tf.reduce_mean if isinstance(layer, L.GlobalAveragePooling2D) else tf.reduce_max
-            return tf.transpose(reduce(inputs[0], axis=[1, 2]), [1, 0, 2])
+        if isinstance(layer, (L.GlobalAveragePooling2D, L.GlobalMaxPooling2D,
+                              L.GlobalAveragePooling1D, L.GlobalMaxPooling1D)):
+            x = inputs[0]
+            average = isinstance(layer, (L.GlobalAveragePooling2D, L.GlobalAveragePooling1D))
+            reduce = tf.reduce_mean if average else tf.reduce_max
+            return tf.transpose(reduce(x, axis=list(range(1, len(x.shape) - 2))), [1, 0, 2])
         if isinstance(layer, L.ZeroPadding2D):
             (top, bottom), (left, right) = layer.padding
             return tf.pad(inputs[0], [[0, 0], [top, bottom], [left, right], [0, 0], [0, 0]])
+        if isinstance(layer, L.ZeroPadding1D):
+            left, right = layer.padding
+            return tf.pad(inputs[0], [[0, 0], [left, right], [0, 0], [0, 0]])
         if isinstance(layer, L.BatchNormalization):
             return self._batch_norm(layer, inputs[0])
         if isinstance(layer, L.Dropout):
@@ -219,21 +345,53 @@ class FusedLearners:
             return layer.call(list(inputs))
         return layer.call(inputs[0])
 
+    def _depthwise(self, layer, x, kernel_variable, bias):
+        """A depthwise convolution of every learner's channels at once: the filter of learner i's
+        channel c is that learner's, so output channel (i*C + c)*d + j is learner i's c*d + j."""
+        m = self._m
+        kernel = self._w(kernel_variable)                               # (m, kh, kw, C, d)
+        kh, kw, c, d = kernel.shape[1:]
+        kernel = tf.reshape(tf.transpose(kernel, [1, 2, 0, 3, 4]), [kh, kw, m * c, d])
+        y = keras.ops.depthwise_conv(self._merge(x), kernel, strides=layer.strides, padding=layer.padding,
+                                     dilation_rate=layer.dilation_rate)
+        if bias and layer.use_bias:
+            y = tf.nn.bias_add(y, tf.reshape(self._w(layer.bias), [m * c * d]))
+        if not bias:
+            return self._split(y, m)
+        if layer.activation in _ELEMENTWISE_ACTIVATIONS:
+            return self._split(layer.activation(y), m)
+        return layer.activation(self._split(y, m))
+
+    def _per_learner(self, layer, x):
+        """LAYER's own call on each learner's slice, with that learner's weights and state."""
+        trainable, state = layer.trainable_variables, layer.non_trainable_variables
+        outputs, new_states = [], [[] for _ in state]
+        for i in range(self._m):
+            y, s_new = layer.stateless_call([self._w(v)[i] for v in trainable], [self._w(v)[i] for v in state],
+                                            self._learner_slice(x, i), training=True)
+            outputs.append(y)
+            for values, value in zip(new_states, s_new):
+                values.append(value)
+        for variable, values in zip(state, new_states):
+            self._new_states[self._s_index[id(variable)]] = tf.stack(values)
+        return self._stack_learners(outputs)
+
     def _batch_norm(self, layer, x):
-        spatial = len(x.shape) == 5
-        axes = [0, 1, 2] if spatial else [1]
+        rank = len(x.shape)
+        axes = [1] if rank == 3 else list(range(rank - 2))
 
         def per_learner(t):   # (m, C) -> broadcastable against x
-            return t if spatial else t[:, None, :]
+            return t[:, None, :] if rank == 3 else t
         mean_idx = self._s_index[id(layer.moving_mean)]
         var_idx = self._s_index[id(layer.moving_variance)]
+        moving_mean, moving_variance = self._new_states[mean_idx], self._new_states[var_idx]
         if layer.trainable:
             mean, variance = keras.ops.moments(x, axes=axes)   # (m, C): statistics per learner
             momentum = layer.momentum
-            self._new_states[mean_idx] = self._states[mean_idx] * momentum + mean * (1.0 - momentum)
-            self._new_states[var_idx] = self._states[var_idx] * momentum + variance * (1.0 - momentum)
+            self._new_states[mean_idx] = moving_mean * momentum + mean * (1.0 - momentum)
+            self._new_states[var_idx] = moving_variance * momentum + variance * (1.0 - momentum)
         else:
-            mean, variance = self._states[mean_idx], self._states[var_idx]
+            mean, variance = moving_mean, moving_variance
         # The same kernel as Keras's BatchNormalization, so that rounding matches the replicated path.
         return tf.nn.batch_normalization(
             x, per_learner(mean), per_learner(variance),
@@ -245,31 +403,32 @@ class FusedLearners:
         if layer.rate <= 0:
             return x
         idx = self._s_index[id(layer.seed_generator.state)]
-        state = self._states[idx]                                # (m, 2)
-        spatial = len(x.shape) == 5
+        state = self._new_states[idx]                             # (m, 2)
         # Each learner's keep-mask is drawn exactly as tf.nn.experimental.stateless_dropout draws it
         # from that learner's seed; then one select applies all of them.
         masks = []
         for i in range(self._m):
-            x_i = x[:, :, :, i, :] if spatial else x[i]
+            x_i = self._learner_slice(x, i)
             shape = tf.shape(x_i) if layer.noise_shape is None else \
                 [s if s is not None else tf.shape(x_i)[a] for a, s in enumerate(layer.noise_shape)]
             uniform = tf.random.stateless_uniform(shape, seed=_cast_seed(state[i]), dtype=x.dtype)
             masks.append(uniform >= layer.rate)
         # Keras advances a seed generator by (0, 1) per draw.
         self._new_states[idx] = state + tf.constant([0, 1], dtype=state.dtype)
-        keep = tf.stack(masks, axis=3 if spatial else 0)
+        keep = self._stack_learners(masks)
         return tf.where(keep, x * tf.constant(1 / (1 - layer.rate), x.dtype), tf.constant(0, x.dtype))
 
     # ---- the learners ----------------------------------------------------------------------
+    def _run(self, graph, inputs):
+        return graph._run_through_graph(
+            inputs, operation_fn=lambda layer: (lambda *args, **kwargs: self._apply(layer, [
+                a for a in tf.nest.flatten(args) if isinstance(a, (tf.Tensor, tf.Variable))])))
+
     def forward(self, weights, states, x):
         """Outputs of every learner, stacked (m, b, ...), and the new states."""
         self._m = x.shape[0]
         self._weights, self._states, self._new_states = weights, states, list(states)
-        inputs = [self._to_fused(t) for t in tf.nest.flatten(x)]
-        outputs = self.graph._run_through_graph(
-            inputs, operation_fn=lambda layer: (lambda *args, **kwargs: self._apply(layer, [
-                a for a in tf.nest.flatten(args) if isinstance(a, (tf.Tensor, tf.Variable))])))
+        outputs = self._run(self.graph, [self._to_fused(t) for t in tf.nest.flatten(x)])
         outputs = tf.nest.map_structure(self._to_stacked, outputs)
         new_states = self._new_states
         self._weights = self._states = self._new_states = None
@@ -288,6 +447,11 @@ class FusedLearners:
         return losses, grads, new_states, preds
 
 
+# Models already announced as running replicated: the notice comes once per model, not at every
+# Engine (use_sma, the auto-tuner's trials and resumes each build one).
+_ANNOUNCED = weakref.WeakSet()
+
+
 def make_learners(model, loss, mode="auto"):
     """The learner computation for MODEL: "fused", "replicated" or "auto" (fused when possible)."""
     if mode == "replicated":
@@ -297,5 +461,7 @@ def make_learners(model, loss, mode="auto"):
     except UnsupportedModel as e:
         if mode == "fused":
             raise
-        log.warning("crossbow_tf: learners run replicated (one call per learner): %s", e)
+        if model not in _ANNOUNCED:
+            _ANNOUNCED.add(model)
+            log.warning("crossbow_tf: learners run replicated (one call per learner): %s", e)
         return ReplicatedLearners(model, loss)
