@@ -40,6 +40,7 @@ def depthwise_and_separable(input_shape=(12, 12, 3), num_classes=4):
     x = L.DepthwiseConv2D(3, strides=2)(x)
     x = L.SeparableConv2D(5, 3, padding="same", depth_multiplier=2, activation="relu")(x)
     x = L.SeparableConv2D(4, 3, dilation_rate=2, activation="tanh")(x)
+    x = L.Dense(3, activation="relu")(x)            # a Dense on every pixel
     x = L.Flatten()(x)
     return keras.Model(inputs, L.Dense(num_classes)(x))
 
@@ -80,7 +81,7 @@ def test_rescaling_normalization_and_augmentation_layers_train_as_replicated(cpu
     assert_same_training(augmented_images, (12, 12, 3), 4, cpu_devices[:2], m=2, b=4, lr=0.01)
 
 
-def test_depthwise_and_separable_convolutions_train_as_replicated(cpu_devices):
+def test_depthwise_and_separable_convolutions_and_dense_on_images_train_as_replicated(cpu_devices):
     assert_same_training(depthwise_and_separable, (12, 12, 3), 4, cpu_devices[:2], m=2, b=4)
 
 
