@@ -75,6 +75,8 @@ def parse_args(prog, description, argv):
     p.add_argument("--seed", type=int, help="override the seed")
     p.add_argument("--results", help="write the run's results (JSON) to this new file")
     p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
     cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
@@ -97,6 +99,8 @@ def build(args, algorithm=None):
         cfg["data"]["data_dir"] = args.data_dir
     if args.logical_cpu_devices is not None:
         cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
+    if args.tensorboard is not None:
+        cfg["tensorboard"] = args.tensorboard
     if algorithm is not None:
         cfg["algorithm"]["name"] = algorithm
     try:
@@ -104,7 +108,12 @@ def build(args, algorithm=None):
         config_lib.check_fits_data(built, learners=algorithm is not None)
     except ConfigError as e:
         raise ConfigError(f"command line: {e}") from None
+    if built.tensorboard:
+        from crossbow_tf.tensorboard import check_logdir
+        check_logdir(built.tensorboard)
     cli.import_tensorflow(getattr(args, "verbose", False))   # validated: now TensorFlow may start
+    from crossbow_tf.models import resolve_model
+    resolve_model(built.model)   # a user's model that does not import stops here, before the data loads
     return built, sections
 
 

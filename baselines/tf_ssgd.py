@@ -3,8 +3,8 @@
 ``tf.distribute.MirroredStrategy`` over the chosen devices (plain single-device Keras when there is
 one), ``model.compile``/``model.fit`` with the stock ``keras.optimizers.SGD(momentum)``; the global
 batch is ``batch_size`` per device times the devices. Nothing of crossbow's engine, strategy or
-algorithms takes part: this module imports only crossbow_tf.config, .data, .models, .results (and
-.errors, which config raises). It reads the same experiment YAML as ``python -m crossbow_tf.run``;
+algorithms takes part: this module imports only crossbow_tf.config, .data, .models, .results,
+.tensorboard (and .errors, which config raises). It reads the same experiment YAML as ``python -m crossbow_tf.run``;
 learners_per_device and algorithm.name do not apply (S-SGD has one replica per device) and
 algorithm.momentum and .weight_decay go to the stock optimizer.
 
@@ -244,7 +244,7 @@ def train(cfg, opts, log=print):
         log(f"note: learners_per_device {cfg.learners_per_device} ignored: S-SGD runs one replica per device")
     if cfg.algorithm.name != "ssgd":
         log(f"note: algorithm.name {cfg.algorithm.name} ignored: this is synchronous SGD")
-    data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     strategy = make_strategy(devices, cfg.devices.cross_device_reduction)
     replicas = len(devices)
     global_batch = cfg.batch_size * replicas
@@ -275,6 +275,10 @@ def train(cfg, opts, log=print):
 
     results = RunResults("tf_ssgd", to_dict(cfg), devices=devices, num_learners=replicas,
                          global_batch=global_batch, tf_ssgd_options=opts)
+    tensorboard = None
+    if cfg.tensorboard:
+        from crossbow_tf.tensorboard import EvaluationWriter
+        tensorboard = EvaluationWriter(cfg.tensorboard)
     seen = {"examples": 0}
     chance = {"run": 0}
 
@@ -292,6 +296,8 @@ def train(cfg, opts, log=print):
                                images_per_second=data.train.size / epoch_time,
                                epoch_start_time=clock.stalls[-1] if clock.stalls else None,
                                test_examples=data.test.size)
+        if tensorboard is not None:
+            tensorboard(results.evaluations[-1], schedule.value(iteration - 1))
         log(f"epoch {epoch:3d}/{cfg.epochs}  test accuracy {accuracy:.4f}  test loss {loss:.4f}  "
             f"train loss {train_loss:.4f}  time {epoch_time:6.2f}s  "
             f"{data.train.size / epoch_time:8.0f} images/s  lr {schedule.value(iteration - 1):.4g}")
@@ -310,6 +316,8 @@ def train(cfg, opts, log=print):
     start = time.perf_counter()
     model.fit(train_ds, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
     results.extra["total_time"] = time.perf_counter() - start
+    if tensorboard is not None:
+        tensorboard.close()
     results.extra["fit_setup_time"] = clock.train_begin - start if clock.train_begin else None
     steps = clock.step_times
     if len(steps) > 1:

@@ -18,11 +18,18 @@ MAX_LEARNERS_PER_DEVICE = 1024
 # Training examples of the data sets whose size is fixed, to refuse an iteration larger than the
 # training set before anything is loaded (other data sets are checked once loaded).
 KNOWN_TRAIN_SIZES = {"mnist_embedded": 4000, "mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000, "cifar100": 50000}
+# The built-in models and data sets (crossbow_tf.models.MODELS, crossbow_tf.data.DATASETS; a test
+# keeps them equal), so that a misspelt name is refused before TensorFlow starts. A model may also
+# be a user's function, module:function or path/to/file.py:function.
+MODEL_NAMES = ("lenet", "lenet_bn", "resnet32", "vgg16", "resnet50")
+DATA_SET_NAMES = ("mnist_embedded", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagenet", "npz")
+FILE_DATA_SETS = ("npz",)   # read from data.path, one file, rather than from data.data_dir
 
 @dataclasses.dataclass
 class DataConfig:
     name: str = "mnist_embedded"
     data_dir: typing.Optional[str] = None
+    path: typing.Optional[str] = None      # the file of a FILE_DATA_SETS data set (npz)
 
 
 @dataclasses.dataclass
@@ -92,6 +99,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     on_divergence: str = "stop"              # stop | rollback (to the last checkpoint, learning rate halved)
     max_rollbacks: int = 3
+    tensorboard: typing.Optional[str] = None   # write TensorBoard event files (tf.summary) in this folder
 
 
 def _check_type(path, value, annotation):
@@ -160,6 +168,7 @@ def _validate(c):
     def need(ok, message):
         if not ok:
             raise ConfigError(message)
+    _validate_model_and_data(c, need)
     need(c.algorithm.name in ("sma", "ssgd", "easgd"),
          f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose sma, ssgd or easgd")
     need(c.learners in ("auto", "fused", "replicated"),
@@ -219,6 +228,28 @@ def _validate(c):
          f"on_divergence: unknown {c.on_divergence!r}; choose stop or rollback")
     need(c.max_rollbacks >= 0, f"max_rollbacks: must not be negative, got {c.max_rollbacks}")
     return c
+
+
+def _validate_model_and_data(c, need):
+    user_model = ":" in c.model
+    need(c.model in MODEL_NAMES or user_model,
+         f"model: unknown model {c.model!r}; choose one of {', '.join(sorted(MODEL_NAMES))}, or your own "
+         "as module:function or path/to/file.py:function")
+    if user_model:
+        where, _, function = c.model.rpartition(":")
+        need(where and function and function.isidentifier(),
+             f"model: {c.model!r}: expected module:function or path/to/file.py:function")
+    d = c.data
+    need(d.name in DATA_SET_NAMES,
+         f"data.name: unknown data set {d.name!r}; choose one of {', '.join(sorted(DATA_SET_NAMES))}")
+    if d.name in FILE_DATA_SETS:
+        need(bool(d.path), f"data.path: the {d.name} data set needs the path of its file (data.path: FILE.{d.name})")
+        need(d.data_dir is None, f"data.data_dir: the {d.name} data set reads data.path, not a directory; "
+                                 "remove data_dir (or --data-dir)")
+    else:
+        need(d.path is None, f"data.path: applies to the {' and '.join(FILE_DATA_SETS)} data set only; "
+                             f"{d.name} reads data.data_dir")
+    need(c.tensorboard is None or c.tensorboard != "", "tensorboard: expected a folder, got ''")
 
 
 def check_fits_data(c, learners=True, train_size=None, devices=None):

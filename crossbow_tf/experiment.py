@@ -144,7 +144,7 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     from crossbow_tf.models import build_model
     from crossbow_tf.results import RunResults
 
-    data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     check_fits_data(cfg, learners=True, train_size=data.train.size, devices=len(devices))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
@@ -191,13 +191,18 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
         results.extra.setdefault("resumed_at_iterations", []).append(progress.iteration)
         tuned = " (auto-tuned m kept)" if cfg.learners_per_device == "auto" else ""
         log(f"resuming from {path}: iteration {progress.iteration}, {progress.epoch} epoch(s) done{tuned}")
+    tensorboard = None
+    if cfg.tensorboard and (cluster is None or cluster.is_chief):   # only the chief writes files
+        from crossbow_tf.tensorboard import EvaluationWriter
+        tensorboard = EvaluationWriter(cfg.tensorboard)
     start = time.perf_counter()
     train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
           target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
           eval_batch_size=cfg.eval_batch_size, log=log, learner_diagnostics=cfg.learner_diagnostics,
           collapse_epochs=cfg.collapse_epochs, batchnorm_eval=cfg.batchnorm_eval,
           batchnorm_batches_count=cfg.batchnorm_batches, checkpoints=checkpoints, progress=progress,
-          on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals)
+          on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals,
+          on_evaluation=tensorboard)
     results.extra["total_time"] = time.perf_counter() - start
     if cfg.target_accuracy is not None:
         log(results.target_summary(cfg.target_accuracy))

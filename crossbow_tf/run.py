@@ -11,7 +11,7 @@ import shlex
 import sys
 
 from crossbow_tf import cli
-from crossbow_tf.errors import ConfigError, CrossbowError, TrainingDiverged, TrainingInterrupted
+from crossbow_tf.errors import CrossbowError, TrainingDiverged, TrainingInterrupted
 
 DEFAULT_CONFIG_NAME = "lenet_mnist_embedded.yaml"
 
@@ -55,6 +55,8 @@ def parse_args(argv):
                    help="checkpoint the run in DIR (overrides checkpoint.dir; see checkpoint.every_iterations)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run checkpointed in the checkpoint directory (from the beginning if none)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
     p.add_argument("--on-divergence", choices=("stop", "rollback"),
                    help="on a NaN or infinity: stop (exit 3), or roll back to the last checkpoint with the "
                         "learning rate halved, at most max_rollbacks times (overrides on_divergence)")
@@ -77,6 +79,8 @@ def build_config(args):
         cfg["checkpoint"]["dir"] = args.checkpoint_dir
     if args.on_divergence is not None:
         cfg["on_divergence"] = args.on_divergence
+    if args.tensorboard is not None:
+        cfg["tensorboard"] = args.tensorboard
     try:
         built = config_lib.from_dict(cfg)
         config_lib.check_fits_data(built)
@@ -87,25 +91,28 @@ def build_config(args):
 
 def _from_file_only(args):
     return all(v is None for v in (args.data_dir, args.epochs, args.learners_per_device, args.seed,
-                                   args.logical_cpu_devices))
+                                   args.logical_cpu_devices, args.tensorboard))
 
 
-def check_outputs(args):
+def check_outputs(args, cfg):
     """Every file the run will write can be written (nothing is created)."""
     from crossbow_tf.files import check_writable
+    from crossbow_tf.tensorboard import check_logdir
     if args.results:
         check_writable(args.results, force=args.force, what="results file")
+    if cfg.tensorboard:
+        check_logdir(cfg.tensorboard)
 
 
 def check_data(cfg):
-    """Loads CFG's data set (its files exist and parse) and checks that an iteration fits in it."""
+    """Loads CFG's data set (its files exist and parse), checks that an iteration fits in it and
+    that CFG's model builds for it."""
     from crossbow_tf import config as config_lib
     from crossbow_tf.data import load_dataset
-    from crossbow_tf.models import MODELS
-    if cfg.model not in MODELS:
-        raise ConfigError(f"model: unknown model {cfg.model!r}; choose one of {', '.join(sorted(MODELS))}")
-    data = load_dataset(cfg.data.name, cfg.data.data_dir)
+    from crossbow_tf.models import build_model
+    data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     config_lib.check_fits_data(cfg, train_size=data.train.size)
+    build_model(cfg.model, data.input_shape, data.num_classes)
     return data
 
 
@@ -120,8 +127,10 @@ def run(args, log=print, stop_signals=None):
         cluster = cluster_lib.from_environment(args.worker_timeout)
     writes = cluster is None or cluster.is_chief   # only the chief writes files
     if writes:
-        check_outputs(args)
+        check_outputs(args, cfg)
     cli.import_tensorflow(args.verbose)
+    from crossbow_tf.models import resolve_model
+    resolve_model(cfg.model)   # a user's model that does not import stops here, before the data loads
     if args.check:
         data = check_data(cfg)
         log(f"{args.config}: valid; {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} "

@@ -357,6 +357,33 @@ def same_run(old_text, new_text):
     return old is not None and old == _normal_form(new_text)
 
 
+# Config keys every trial's hparams hold (dotted; sections: every key in them), besides the method,
+# entry, trial and seed: what grids and fixed settings usually vary.
+HPARAM_KEYS = ("model", "data.name", "batch_size", "learners_per_device", "devices.logical_cpu", "epochs",
+               "algorithm.", "learning_rate.")
+
+
+def trial_hparams(method, experiment, options, entry, trial, seed):
+    """{name: value} of one run for TensorBoard's hparams dashboard: the method, its entry, trial and
+    seed, the config keys of HPARAM_KEYS and tf_ssgd's options (TensorBoard takes bool, number, str)."""
+    flat = {}
+
+    def walk(prefix, node):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(f"{prefix}{key}.", value)
+            else:
+                flat[f"{prefix}{key}"] = value
+    walk("", experiment)
+    walk("tf_ssgd.", options or {})
+    chosen = {k: v for k, v in flat.items()
+              if k.startswith("tf_ssgd.") or any(k == p or (p.endswith(".") and k.startswith(p)) for p in HPARAM_KEYS)}
+    hparams = dict(method=method, entry=entry, trial=trial, seed=seed)
+    for key, value in chosen.items():
+        hparams[key] = value if isinstance(value, (bool, int, float, str)) else ("null" if value is None else str(value))
+    return hparams
+
+
 EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+test accuracy ([0-9.]+).*?time\s+([0-9.]+)s")
 
 
@@ -367,6 +394,7 @@ class Runner:
         self.out_dir, self.total, self.resume, self.out, self.python = out_dir, total_runs, resume, out, python
         self.done, self.started = 0, time.time()
         self.durations = []
+        self._said_no_tensorboard = False
 
     def say(self, line):
         print(line, file=self.out, flush=True)
@@ -400,6 +428,14 @@ class Runner:
         if not unchanged:
             shutil.rmtree(checkpoints, ignore_errors=True)
         resumable = ["--checkpoint-dir", checkpoints, "--resume"] if METHODS[method].module == "crossbow_tf.run" else []
+        # Every run's TensorBoard events in a folder of its own, named as its files under runs/; a
+        # run that continues from its checkpoint keeps the epochs it wrote before.
+        tensorboard = os.path.join(self.out_dir, "tensorboard", subdir, name)
+        if not (resumable and os.path.isdir(checkpoints)):
+            shutil.rmtree(tensorboard, ignore_errors=True)
+            trial = name[:-len(f"_s{seed}")] if name.endswith(f"_s{seed}") else name
+            self._write_hparams(tensorboard, trial_hparams(method, experiment, options, subdir, trial, seed),
+                                f"{subdir}/{trial}")
         for p in paths.values():
             if os.path.exists(p):
                 os.remove(p)
@@ -408,7 +444,8 @@ class Runner:
         self.say(f"{head} ... (elapsed {_clock(time.time() - self.started)}, ETA {self.eta()})")
         load = os.getloadavg() if hasattr(os, "getloadavg") else None
         start = time.time()
-        code, error = self._spawn(METHODS[method].module, paths, timeout, load, resumable)
+        code, error = self._spawn(METHODS[method].module, paths, timeout, load,
+                                  resumable + ["--tensorboard", tensorboard])
         duration = time.time() - start
         self.durations.append(duration)
         record = self._record(label, seed, paths["json"], target, duration, load)
@@ -430,6 +467,16 @@ class Runner:
                      f"process {duration:.0f}s")
         return record
 
+    def _write_hparams(self, logdir, hparams, group):
+        try:
+            from crossbow_tf.tensorboard import write_hparams
+            write_hparams(logdir, hparams, group)
+        except ImportError:   # tensorboard is not a dependency of training; say it once
+            if not self._said_no_tensorboard:
+                self.say("note: the tensorboard package is not installed: runs write their curves, but "
+                         "no hparams (pip install tensorboard)")
+                self._said_no_tensorboard = True
+
     def _record(self, label, seed, path, target, duration, load):
         record = RunRecord(label, seed, path, duration=duration, load_before=load)
         if not os.path.exists(path):
@@ -449,8 +496,11 @@ class Runner:
         return record
 
     def _spawn(self, module, paths, timeout, load=None, extra_args=()):
+        # The run starts in this folder with it on its path, so that a user's model (model:
+        # my_models:build or path/to/file.py:build) and data.path resolve as they do here.
+        here = os.getcwd()
         env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-                   PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+                   PYTHONPATH=os.pathsep.join([REPO, here] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         cmd = [self.python, "-m", module, "--config", paths["yaml"], "--results", paths["json"], *extra_args]
         lines = queue.Queue()
         with open(paths["log"], "w") as log:
@@ -459,7 +509,7 @@ class Runner:
                 log.write(f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
             log.flush()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                    bufsize=1)
+                                    bufsize=1, cwd=here)
 
             def pump():
                 for line in proc.stdout:

@@ -5,6 +5,7 @@ from crossbow_tf.data.cifar import load_cifar10, load_cifar100
 from crossbow_tf.data.embedded import load_embedded_mnist
 from crossbow_tf.data.imagenet import load_imagenet
 from crossbow_tf.data.mnist import load_mnist, to_model_input
+from crossbow_tf.data.npz import load_npz
 from crossbow_tf.data.source import DataSource, Split, from_arrays
 from crossbow_tf.errors import ConfigError, DataError
 
@@ -34,17 +35,19 @@ def _fashion_mnist(data_dir=None):
 
 
 DATASETS = {"mnist_embedded": _mnist_embedded, "mnist": _mnist, "fashion_mnist": _fashion_mnist,
-            "cifar10": load_cifar10, "cifar100": load_cifar100, "imagenet": load_imagenet}
+            "cifar10": load_cifar10, "cifar100": load_cifar100, "imagenet": load_imagenet, "npz": load_npz}
+# Data sets read from one file (data.path) rather than from a directory (data.data_dir).
+FILE_DATASETS = ("npz",)
 
 
-def load_dataset(name, data_dir=None):
-    """Loads data set NAME (a key of DATASETS) from DATA_DIR."""
+def load_dataset(name, data_dir=None, path=None):
+    """Loads data set NAME (a key of DATASETS) from DATA_DIR, or from the file PATH (FILE_DATASETS)."""
     try:
         loader = DATASETS[name]
     except KeyError:
         raise ConfigError(f"unknown data set {name!r}; choose one of {', '.join(sorted(DATASETS))}") from None
-    return loader(data_dir)
+    return loader(path) if name in FILE_DATASETS else loader(data_dir)
 
 
-__all__ = ["DATASETS", "DataSource", "Split", "from_arrays", "load_dataset", "load_mnist",
-           "load_embedded_mnist", "load_cifar10", "load_cifar100", "load_imagenet"]
+__all__ = ["DATASETS", "FILE_DATASETS", "DataSource", "Split", "from_arrays", "load_dataset", "load_mnist",
+           "load_embedded_mnist", "load_cifar10", "load_cifar100", "load_imagenet", "load_npz"]

@@ -55,7 +55,7 @@ def batchnorm_batches(data, batch_size, count, seed):
 def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target_accuracy=None,
           stop_at_target=True, eval_batch_size=500, shuffle=True, log=print, learner_diagnostics=True,
           collapse_epochs=2, batchnorm_eval="averaged", batchnorm_batches_count=8, checkpoints=None,
-          progress=None, on_divergence="stop", max_rollbacks=3, stop_signals=None):
+          progress=None, on_divergence="stop", max_rollbacks=3, stop_signals=None, on_evaluation=None):
     """Trains ENGINE on DATA (a DataSource) and evaluates z after every epoch.
 
     Returns RESULTS with one evaluation per epoch; wall time counts training only.
@@ -71,7 +71,8 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
     (StopSignals) stops at an iteration boundary after a checkpoint: TrainingInterrupted.
     A non-finite loss, learner or z stops training with TrainingDiverged (RESULTS keep the epochs
     so far); ON_DIVERGENCE="rollback" first restores the newest checkpoint with the learning rate
-    halved, at most MAX_ROLLBACKS times.
+    halved, at most MAX_ROLLBACKS times. ON_EVALUATION(evaluation, learning_rate), when given, is
+    called with each evaluation recorded (e.g. crossbow_tf.tensorboard.EvaluationWriter).
     """
     if batchnorm_eval not in BATCHNORM_EVAL:
         raise ValueError(f"batchnorm_eval: choose one of {', '.join(BATCHNORM_EVAL)}, got {batchnorm_eval!r}")
@@ -80,6 +81,7 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
                learner_diagnostics=learner_diagnostics, collapse_epochs=collapse_epochs,
                batchnorm_eval=batchnorm_eval, batchnorm_batches_count=batchnorm_batches_count,
                checkpoints=checkpoints, stop_signals=stop_signals)
+    run.on_evaluation = on_evaluation
     if stop_signals is not None:
         stop_signals.deferred = True
     try:
@@ -146,6 +148,7 @@ def describe_non_finite(what):
 
 class _Run:
     """The epoch loop of ``train``, resumable from any Progress."""
+    on_evaluation = None   # train's ON_EVALUATION
 
     def __init__(self, engine, data, batch_size, epochs, schedule, results, *, seed, target_accuracy,
                  stop_at_target, eval_batch_size, shuffle, log, learner_diagnostics, collapse_epochs,
@@ -274,6 +277,8 @@ class _Run:
                                     accuracy=accuracy, loss=test_loss, train_loss=train_loss,
                                     epoch_time=epoch_time, images_per_second=seen / epoch_time,
                                     test_examples=data.test.size, **more)
+        if self.on_evaluation is not None:
+            self.on_evaluation(self.results.evaluations[-1], schedule(p.iteration - 1) * p.lr_scale)
         extra = "".join([f"  learner 0 {more['learner_accuracy']:.4f}" if "learner_accuracy" in more else "",
                          f"  distance to z {more['learner_distance']:.3g}" if "learner_distance" in more else "",
                          f"  recomputed-BN accuracy {more['accuracy_bn_recomputed']:.4f}"

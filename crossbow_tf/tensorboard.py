@@ -1,0 +1,83 @@
+"""TensorBoard event files: a run's curves (``--tensorboard DIR``) and a harness trial's hparams.
+
+A run writes, per evaluation (step = epoch), with tf.summary: z's test accuracy and loss, the train
+loss, images/s, the learning rate and, for SMA-family runs, learner 0's test accuracy and the
+learners' mean distance to z. Every method uses the same tags, so ``tensorboard --logdir`` over
+several runs overlays them.
+
+Imports no TensorFlow at module level: the command lines check the folder before TensorFlow
+starts, and the harness writes hparams without it (see write_hparams).
+"""
+import os
+import time
+
+from crossbow_tf.files import OutputError
+
+# Evaluation keys (crossbow_tf.results) and their tags.
+SCALARS = {
+    "accuracy": "test/accuracy",
+    "loss": "test/loss",
+    "train_loss": "train/loss",
+    "images_per_second": "train/images_per_second",
+    "learner_accuracy": "learners/learner0_accuracy",
+    "learner_distance": "learners/mean_distance_to_z",
+}
+LEARNING_RATE_TAG = "train/learning_rate"
+
+
+def check_logdir(path):
+    """Raises OutputError unless PATH is a folder, or one can be made there (nothing is created)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OutputError(f"{path}: the TensorBoard folder is a file; give a folder")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{path}: cannot create the TensorBoard folder: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{path}: cannot write the TensorBoard folder: no permission in {parent}")
+
+
+class EvaluationWriter:
+    """Called with each evaluation (a RunResults evaluation mapping) and the learning rate of its
+    last iteration; writes their scalars to LOGDIR. Create it after the devices are set up (it
+    starts TensorFlow's runtime)."""
+
+    def __init__(self, logdir):
+        import tensorflow as tf
+        self._tf = tf
+        self.logdir = logdir
+        self._writer = tf.summary.create_file_writer(logdir)
+
+    def __call__(self, evaluation, learning_rate):
+        tf = self._tf
+        with self._writer.as_default(step=int(evaluation["epoch"])):
+            for key, tag in SCALARS.items():
+                value = evaluation.get(key)
+                if value is not None:
+                    tf.summary.scalar(tag, float(value))
+            tf.summary.scalar(LEARNING_RATE_TAG, float(learning_rate))
+        self._writer.flush()   # a run stopped by a signal keeps every epoch written so far
+
+    def close(self):
+        self._writer.close()
+
+
+def write_hparams(logdir, hparams, group=None):
+    """Writes HPARAMS ({name: bool, int, float or str}) of the run whose events are in LOGDIR, with
+    TensorBoard's hparams API; GROUP names the trial its seeds share.
+
+    tensorboard.plugins.hparams.api re-exports summary_v2 together with a Keras callback that
+    imports TensorFlow; summary_v2's protocol buffer and TensorBoard's own event writer need no
+    TensorFlow, so the harness stays free of it."""
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.plugins.hparams import summary_v2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    os.makedirs(logdir, exist_ok=True)
+    writer = EventFileWriter(logdir, filename_suffix=".hparams")
+    try:
+        summary = summary_v2.hparams_pb(hparams, trial_id=group)
+        writer.add_event(event_pb2.Event(wall_time=time.time(), summary=summary))
+    finally:
+        writer.close()

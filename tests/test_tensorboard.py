@@ -1,0 +1,137 @@
+"""--tensorboard DIR: the event files of crossbow_tf.run and tf_ssgd hold each epoch's scalars, equal
+to the run's results file; the harness gives every run its own folder and its trial's hparams."""
+import glob
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+
+from baselines import tf_ssgd
+from crossbow_tf.data import load_embedded_mnist
+from crossbow_tf.run import main as run_main
+from crossbow_tf.tensorboard import LEARNING_RATE_TAG, SCALARS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("tools_harness_tb", os.path.join(REPO, "tools", "harness.py"))
+harness = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(harness)
+
+TINY_MODEL = '''
+import keras
+
+
+def build(input_shape, num_classes):
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(num_classes)])
+'''
+
+
+def scalars(logdir):
+    """{tag: {step: value}} of every scalar in the event files under LOGDIR."""
+    out = {}
+    for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "scalars":
+                    out.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+    return out
+
+
+def hparams_sessions(logdir):
+    """[(group name, {name: value})] of the hparams session starts in LOGDIR's event files."""
+    sessions = []
+    for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == hparams_metadata.PLUGIN_NAME:
+                    start = hparams_metadata.parse_session_start_info_plugin_data(
+                        value.metadata.plugin_data.content)
+                    values = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+                    sessions.append((start.group_name, values))
+    return sessions
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tb")
+    (root / "tiny_model.py").write_text(TINY_MODEL)
+    (x, y), (xt, yt) = load_embedded_mnist()
+    np.savez(root / "digits.npz", x_train=x, y_train=y, x_test=xt, y_test=yt)   # float (N, H, W, C)
+    return root
+
+
+def write_config(path, **changes):
+    doc = dict(name="tb", model="tiny_model:build", data={"name": "npz", "path": "digits.npz"}, batch_size=32,
+               learners_per_device=2, learning_rate={"base": 0.05, "drops_at_epochs": [1], "drop_factor": 0.5},
+               epochs=2, seed=1)
+    doc.update(changes)
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def check_events_match_results(logdir, results, learners):
+    events = scalars(logdir)
+    expected_tags = {tag for key, tag in SCALARS.items() if learners or not key.startswith("learner")}
+    assert set(events) == expected_tags | {LEARNING_RATE_TAG}
+    for e in results["evaluations"]:
+        for key, tag in SCALARS.items():
+            if tag in events:
+                assert events[tag][e["epoch"]] == pytest.approx(e[key], rel=1e-6), (tag, e["epoch"])
+    # The rate of each epoch's last iteration: 0.05, halved by the drop after epoch 1.
+    assert events[LEARNING_RATE_TAG] == pytest.approx({1: 0.05, 2: 0.025})
+
+
+def test_crossbow_run_writes_every_epochs_scalars(folder, monkeypatch):
+    monkeypatch.chdir(folder)
+    cfg = write_config(folder / "sma.yaml")
+    assert run_main(["--config", cfg, "--tensorboard", "tb/sma", "--results", "sma.json"]) == 0
+    results = json.loads((folder / "sma.json").read_text())
+    assert len(results["evaluations"]) == 2 and results["config"]["tensorboard"] == "tb/sma"
+    check_events_match_results(folder / "tb" / "sma", results, learners=True)
+
+
+def test_tf_ssgd_writes_the_same_scalars_but_the_learners(folder, monkeypatch):
+    monkeypatch.chdir(folder)
+    cfg = write_config(folder / "ssgd.yaml", tensorboard="tb/ssgd")   # the config key, as the flag
+    assert tf_ssgd.main(["--config", cfg, "--results", "ssgd.json"]) == 0
+    results = json.loads((folder / "ssgd.json").read_text())
+    check_events_match_results(folder / "tb" / "ssgd", results, learners=False)
+
+
+def test_a_tensorboard_folder_that_is_a_file_is_refused(folder, monkeypatch, capsys):
+    monkeypatch.chdir(folder)
+    (folder / "taken").write_text("")
+    cfg = write_config(folder / "file.yaml")
+    for main in (run_main, tf_ssgd.main):
+        assert main(["--config", cfg, "--tensorboard", "taken"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "taken: the TensorBoard folder is a file" in err and len(err.splitlines()) == 1
+
+
+def test_the_harness_gives_each_run_a_folder_and_its_hparams(folder, monkeypatch):
+    """A real tf_ssgd process started by the harness from the user's folder imports the user's
+    module, reads the relative .npz and writes its curves in OUT/tensorboard/ENTRY/TRIAL_sSEED,
+    beside the trial's hparams (grouped by trial across seeds)."""
+    monkeypatch.chdir(folder)
+    out = folder / "report"
+    harness.prepare_out_dir(str(out))
+    runner = harness.Runner(str(out), 1, out=open(os.devnull, "w"), python=sys.executable)
+    experiment = yaml.safe_load(open(write_config(folder / "run.yaml", epochs=1, learners_per_device=1)))
+    record = runner.run("tf_ssgd", experiment, harness.parse_tf_ssgd_options({}), "ssgd_entry", "t01_s4",
+                        "t01 base=0.05", 4, 0.5, 300)
+    assert record.summary is not None, record.error
+    logdir = out / "tensorboard" / "ssgd_entry" / "t01_s4"
+    events = scalars(logdir)
+    with open(record.path) as f:
+        [evaluation] = json.load(f)["evaluations"]
+    assert events["test/accuracy"] == pytest.approx({1: evaluation["accuracy"]}, rel=1e-6)
+    [(group, hparams)] = hparams_sessions(logdir)
+    assert group == "ssgd_entry/t01"
+    assert hparams["method"] == "tf_ssgd" and hparams["trial"] == "t01" and hparams["seed"] == 4
+    assert hparams["model"] == "tiny_model:build" and hparams["learning_rate.base"] == 0.05
+    assert hparams["tf_ssgd.lr_scaling"] == "none" and hparams["data.name"] == "npz"
