@@ -93,6 +93,31 @@ def test_nested_sequential_and_functional_models_train_as_replicated(cpu_devices
     assert_same_training(nested_blocks, (10, 10, 3), 4, cpu_devices[:2], m=2, b=4)
 
 
+def every_other_image_layer(input_shape=(12, 12, 3), num_classes=4):
+    """Keras's remaining image preprocessing layers in one chain (Equalization first: later in a chain
+    Keras's own graph building reports it as part of a cycle)."""
+    value_range = dict(value_range=(0, 1))
+    chain = [
+        L.Equalization(**value_range), L.RandomHue(0.3, **value_range), L.RandomSaturation(0.3, **value_range),
+        L.RandomGrayscale(0.5), L.RandomSharpness(0.3, **value_range), L.RandomShear(0.2, 0.2),
+        L.RandomPerspective(0.5), L.RandomErasing(**value_range), L.RandomGaussianBlur(0.5, **value_range),
+        L.RandomColorJitter(brightness_factor=0.2, contrast_factor=0.2, **value_range),
+        L.RandomInvert(**value_range), L.RandomPosterization(4, value_range=(0, 255)),
+        L.RandomColorDegeneration(0.3, **value_range), L.RandomElasticTransform(**value_range),
+        L.Solarization(0.5, 0.5, **value_range), L.AutoContrast(**value_range), L.AugMix(**value_range),
+        L.RandAugment(**value_range), L.CutMix(), L.MixUp(), L.Resizing(11, 11), L.CenterCrop(10, 10),
+        L.ContrastLimitedAdaptiveHistogramEqualization(**value_range)]
+    x = inputs = keras.Input(input_shape)
+    for layer in chain:
+        x = layer(x)
+    x = L.GlobalAveragePooling2D()(L.Conv2D(4, 3, activation="relu")(x))
+    return keras.Model(inputs, L.Dense(num_classes)(x))
+
+
+def test_every_other_keras_image_preprocessing_layer_trains_as_replicated(cpu_devices):
+    assert_same_training(every_other_image_layer, (12, 12, 3), 4, cpu_devices[:1], m=2, b=4, steps=2)
+
+
 def test_each_learner_draws_its_own_augmentation(cpu_devices):
     """Same data and weights for every learner: only their own random transformations can separate them."""
     keras.utils.set_random_seed(2)
