@@ -236,9 +236,8 @@ def _validate_model_and_data(c, need):
          f"model: unknown model {c.model!r}; choose one of {', '.join(sorted(MODEL_NAMES))}, or your own "
          "as module:function or path/to/file.py:function")
     if user_model:
-        where, _, function = c.model.rpartition(":")
-        need(where and function and function.isidentifier(),
-             f"model: {c.model!r}: expected module:function or path/to/file.py:function")
+        from crossbow_tf.user_model import parse_spec
+        parse_spec(c.model)
     d = c.data
     need(d.name in DATA_SET_NAMES,
          f"data.name: unknown data set {d.name!r}; choose one of {', '.join(sorted(DATA_SET_NAMES))}")

@@ -1,8 +1,10 @@
 """A user's own model (model: module:function or path/to/file.py:function) and arrays (data: {name:
 npz, path: FILE.npz}): what they build and load, against direct calls and NumPy; every bad case is
 one line and exit code 2."""
+import importlib.util
 import json
 import os
+import re
 import sys
 import zipfile
 
@@ -19,6 +21,9 @@ from crossbow_tf.data.pipeline import eval_batches
 from crossbow_tf.errors import ConfigError, DataError
 from crossbow_tf.models import MODELS, build_model, resolve_model
 from crossbow_tf.run import main as run_main
+from crossbow_tf.user_model import locate_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 USER_MODULE = '''
 import keras
@@ -75,7 +80,8 @@ def folder(tmp_path_factory):
     (root / "nets").mkdir()
     (root / "nets" / "tiny.py").write_text(USER_FILE)
     (root / "nets" / "broken.py").write_text("def build(input_shape, num_classes:\n")
-    (root / "breaks_on_import.py").write_text("import keras\nraise RuntimeError('no GPU found')\n")
+    (root / "breaks_on_import.py").write_text("import keras\nraise RuntimeError('no GPU found')\n\n\n"
+                                              "def build(input_shape, num_classes):\n    return None\n")
     np.savez(root / "digits.npz", **digits_uint8())
     return root
 
@@ -171,6 +177,41 @@ def test_the_baselines_refuse_a_bad_model_alike(in_folder, capsys, main):
         assert main(["--config", cfg, "--results", str(in_folder / "never.json")]) == 2
         assert message in one_error_line(capsys)
     assert not (in_folder / "never.json").exists()
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location("tools_compare_user", os.path.join(REPO, "tools", "compare.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_harness_locates_a_users_model_without_running_it(in_folder):
+    for spec in ("user_models:build", "nets/tiny.py:build", "nets/tiny.py:Tiny"):
+        locate_model(spec)
+    locate_model("breaks_on_import:build")   # found in the source; importing it would raise
+    for spec, message in (("no_such_module:build", "no module 'no_such_module' in the current folder"),
+                          ("nets/absent.py:build", "file nets/absent.py not found"),
+                          ("nets/broken.py:build", "nets/broken.py does not import (SyntaxError:"),
+                          ("user_models:missing", "user_models has no 'missing'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            locate_model(spec)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(model="user_models:missing"), "model: user_models:missing: user_models has no 'missing'"),
+    (dict(model="nets/absent.py:build"), "file nets/absent.py not found"),
+    (dict(data={"name": "npz", "path": "absent.npz"}), "data.path: absent.npz not found"),
+])
+def test_compare_refuses_a_missing_model_or_file_before_any_run(in_folder, capsys, changes, message):
+    compare = _load_compare()
+    cfg = write_config(in_folder / "compare.yaml", compare={
+        "methods": {"sma": {}, "tf_ssgd": {}}, "budget": 1, "seeds": [0], "epochs": 1, "target": 0.5}, **changes)
+    out = in_folder / "report"
+    assert compare.main(["--config", cfg, "--out", str(out)]) == 2
+    err = one_error_line(capsys)
+    assert err.startswith("compare: error:") and message in err, err
+    assert not out.exists()
 
 
 def test_config_knows_the_built_in_names():

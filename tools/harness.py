@@ -7,6 +7,7 @@ Tools read only the results files (crossbow_tf/results.py); nothing here imports
 """
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -35,6 +36,7 @@ from crossbow_tf import config as config_lib  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
 from crossbow_tf.files import atomic_write_text  # noqa: E402
 from crossbow_tf.results import format_problems  # noqa: E402
+from crossbow_tf.user_model import locate_model  # noqa: E402
 
 MARKER = ".crossbow_report"   # marks a directory as ours, so --force never empties anyone else's
 
@@ -318,9 +320,26 @@ def run_config(experiment, sections, method, overrides, *, seed, target, epochs,
     try:
         config_lib.from_dict(full)
         opts = parse_tf_ssgd_options(options) if method == "tf_ssgd" else None
+        check_user_files(full)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return full, opts
+
+
+def check_user_files(experiment):
+    """A user's model and data file are there (else every run would fail on them alike), checked
+    from this folder, where the runs start, without running the user's code (see
+    crossbow_tf.user_model)."""
+    if ":" in experiment["model"]:
+        _locate_model(experiment["model"], os.getcwd())
+    path = experiment["data"].get("path")
+    if path and not os.path.isfile(path):
+        raise ConfigError(f"data.path: {path} not found (paths are relative to the current folder {os.getcwd()})")
+
+
+@functools.lru_cache(maxsize=None)
+def _locate_model(spec, folder):   # once per model and folder: a plan holds hundreds of runs
+    locate_model(spec)
 
 
 # ---------------------------------------------------------------------------------------------

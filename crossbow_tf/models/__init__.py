@@ -14,6 +14,7 @@ from crossbow_tf.models.lenet import lenet, lenet_bn
 from crossbow_tf.models.resnet32 import resnet32
 from crossbow_tf.models.resnet50 import resnet50
 from crossbow_tf.models.vgg16 import vgg16
+from crossbow_tf.user_model import parse_spec
 
 MODELS = {"lenet": lenet, "lenet_bn": lenet_bn, "resnet32": resnet32, "vgg16": vgg16, "resnet50": resnet50}
 
@@ -80,10 +81,7 @@ def resolve_model(spec):
         except KeyError:
             raise ConfigError(f"model: unknown model {spec!r}; choose one of {', '.join(sorted(MODELS))}, or "
                               "your own as module:function or path/to/file.py:function") from None
-    where, _, function_name = spec.rpartition(":")
-    if not where or not function_name:
-        raise ConfigError(f"model: {spec!r}: expected module:function or path/to/file.py:function")
-    is_file = where.endswith(".py") or os.sep in where or (os.altsep and os.altsep in where)
+    where, function_name, is_file = parse_spec(spec)
     module = _import_file(spec, where) if is_file else _import_module(spec, where)
     function = getattr(module, function_name, None)
     if function is None:
