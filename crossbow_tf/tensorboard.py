@@ -2,8 +2,8 @@
 
 A run writes, per evaluation (step = epoch), with tf.summary: z's test accuracy and loss, the train
 loss, images/s, the learning rate and, for SMA-family runs, learner 0's test accuracy and the
-learners' mean distance to z. Every method uses the same tags, so ``tensorboard --logdir`` over
-several runs overlays them.
+learners' mean distance to z; and z's accuracy against training time (ACCURACY_BY_TIME_TAG).
+Every method uses the same tags, so ``tensorboard --logdir`` over several runs overlays them.
 
 Imports no TensorFlow at module level: the command lines check the folder before TensorFlow
 starts, and the harness writes hparams without it (see write_hparams).
@@ -23,6 +23,10 @@ SCALARS = {
     "learner_distance": "learners/mean_distance_to_z",
 }
 LEARNING_RATE_TAG = "train/learning_rate"
+# TensorBoard's x axis is the step or the wall clock, which also counts start-up, tracing apart,
+# and evaluation; z's accuracy once more, at step = training time in milliseconds (the results'
+# wall_time), puts time to accuracy on the x axis.
+ACCURACY_BY_TIME_TAG = "test/accuracy_by_training_ms"
 
 
 def check_logdir(path):
@@ -57,6 +61,8 @@ class EvaluationWriter:
                 if value is not None:
                     tf.summary.scalar(tag, float(value))
             tf.summary.scalar(LEARNING_RATE_TAG, float(learning_rate))
+        with self._writer.as_default(step=int(round(evaluation["wall_time"] * 1000))):
+            tf.summary.scalar(ACCURACY_BY_TIME_TAG, float(evaluation["accuracy"]))
         self._writer.flush()   # a run stopped by a signal keeps every epoch written so far
 
     def close(self):

@@ -15,7 +15,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from baselines import tf_ssgd
 from crossbow_tf.data import load_embedded_mnist
 from crossbow_tf.run import main as run_main
-from crossbow_tf.tensorboard import LEARNING_RATE_TAG, SCALARS
+from crossbow_tf.tensorboard import ACCURACY_BY_TIME_TAG, LEARNING_RATE_TAG, SCALARS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("tools_harness_tb", os.path.join(REPO, "tools", "harness.py"))
@@ -77,7 +77,9 @@ def write_config(path, **changes):
 def check_events_match_results(logdir, results, learners):
     events = scalars(logdir)
     expected_tags = {tag for key, tag in SCALARS.items() if learners or not key.startswith("learner")}
-    assert set(events) == expected_tags | {LEARNING_RATE_TAG}
+    assert set(events) == expected_tags | {LEARNING_RATE_TAG, ACCURACY_BY_TIME_TAG}
+    assert events[ACCURACY_BY_TIME_TAG] == pytest.approx(
+        {round(e["wall_time"] * 1000): e["accuracy"] for e in results["evaluations"]}, rel=1e-6)
     for e in results["evaluations"]:
         for key, tag in SCALARS.items():
             if tag in events:
