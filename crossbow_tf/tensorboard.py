@@ -9,6 +9,7 @@ Imports no TensorFlow at module level: the command lines check the folder before
 starts, and the harness writes hparams without it (see write_hparams).
 """
 import os
+import socket
 import time
 
 from crossbow_tf.files import OutputError
@@ -73,17 +74,21 @@ def write_hparams(logdir, hparams, group=None):
     """Writes HPARAMS ({name: bool, int, float or str}) of the run whose events are in LOGDIR, with
     TensorBoard's hparams API; GROUP names the trial its seeds share.
 
-    tensorboard.plugins.hparams.api re-exports summary_v2 together with a Keras callback that
-    imports TensorFlow; summary_v2's protocol buffer and TensorBoard's own event writer need no
-    TensorFlow, so the harness stays free of it."""
+    Without TensorFlow, for the harness: tensorboard.plugins.hparams.api re-exports summary_v2
+    beside a Keras callback that imports TensorFlow, and TensorBoard's EventFileWriter opens files
+    through TensorFlow when it is installed; summary_v2's protocol buffer and TensorBoard's
+    RecordWriter on a plain file need neither."""
     from tensorboard.compat.proto import event_pb2
     from tensorboard.plugins.hparams import summary_v2
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboard.summary.writer.record_writer import RecordWriter
 
     os.makedirs(logdir, exist_ok=True)
-    writer = EventFileWriter(logdir, filename_suffix=".hparams")
-    try:
-        summary = summary_v2.hparams_pb(hparams, trial_id=group)
-        writer.add_event(event_pb2.Event(wall_time=time.time(), summary=summary))
-    finally:
-        writer.close()
+    now = time.time()
+    # TensorBoard reads files named events.out.tfevents.*; this one's own suffix keeps it apart from
+    # the run's, which tf.summary names the same way.
+    name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}.hparams"
+    with open(os.path.join(logdir, name), "wb") as f:
+        writer = RecordWriter(f)
+        writer.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+        writer.write(event_pb2.Event(wall_time=now, summary=summary_v2.hparams_pb(hparams, trial_id=group))
+                     .SerializeToString())

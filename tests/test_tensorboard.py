@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -137,3 +138,15 @@ def test_the_harness_gives_each_run_a_folder_and_its_hparams(folder, monkeypatch
     assert hparams["method"] == "tf_ssgd" and hparams["trial"] == "t01" and hparams["seed"] == 4
     assert hparams["model"] == "tiny_model:build" and hparams["learning_rate.base"] == 0.05
     assert hparams["tf_ssgd.lr_scaling"] == "none" and hparams["data.name"] == "npz"
+
+
+def test_the_harness_writes_hparams_without_starting_tensorflow(tmp_path):
+    """The harness process stays free of TensorFlow (its runs have their own): hparams go through
+    TensorBoard's protocol buffers and event writer."""
+    script = ("import sys; from crossbow_tf.tensorboard import write_hparams; "
+              f"write_hparams({str(tmp_path)!r}, dict(method='sma', seed=0), 'sma/t00'); "
+              "assert 'tensorflow' not in sys.modules, 'TensorFlow was imported'")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [(group, hparams)] = hparams_sessions(tmp_path)
+    assert group == "sma/t00" and hparams == {"method": "sma", "seed": 0}

@@ -131,8 +131,7 @@ def test_a_users_model_is_the_model_their_function_builds(in_folder, spec, funct
 
 
 def test_a_users_model_trains_through_the_engine_and_the_stock_baseline(in_folder, capsys):
-    """crossbow_tf.run and tf_ssgd train the file's subclassed model on the .npz for one epoch; the
-    same seed gives both the same initial model."""
+    """crossbow_tf.run and tf_ssgd train the file's subclassed model on the .npz for one epoch."""
     results = {}
     for name, main in (("sma", run_main), ("tf_ssgd", tf_ssgd.main)):
         cfg = write_config(in_folder / f"{name}.yaml", model="nets/tiny.py:build", learners_per_device=2,
