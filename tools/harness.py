@@ -464,7 +464,7 @@ class Runner:
         load = os.getloadavg() if hasattr(os, "getloadavg") else None
         start = time.time()
         code, error = self._spawn(METHODS[method].module, paths, timeout, load,
-                                  resumable + ["--tensorboard", tensorboard])
+                                  ["--tensorboard", tensorboard] + resumable)
         duration = time.time() - start
         self.durations.append(duration)
         record = self._record(label, seed, paths["json"], target, duration, load)
