@@ -5,6 +5,8 @@ import importlib.util
 import json
 import os
 import re
+import runpy
+import shutil
 import sys
 import zipfile
 
@@ -361,3 +363,19 @@ def test_files_that_are_not_npz_arrays(tmp_path):
 def test_npz_settings_are_checked_before_tensorflow_starts(data, message):
     with pytest.raises(ConfigError, match=message):
         config_lib.from_dict({"data": data})
+
+
+def test_the_example_folder_plans_its_comparison(tmp_path, monkeypatch, capsys):
+    """examples/user_model as a user would run it from a copy: make_npz.py writes the arrays the
+    config names and compare plans both methods on the folder's model."""
+    folder = tmp_path / "user_model"
+    shutil.copytree(os.path.join(REPO, "examples", "user_model"), folder)
+    monkeypatch.chdir(folder)
+    runpy.run_path("make_npz.py")
+    data = load_dataset("npz", path="digits.npz")
+    assert data.input_shape == (28, 28, 1) and (data.train.size, data.test.size) == (4000, 1000)
+    capsys.readouterr()
+    assert _load_compare().main(["--config", "compare.yaml", "--dry-run"]) == 0
+    planned = capsys.readouterr().out
+    assert "sma (sma) t00" in planned and "tf_ssgd (tf_ssgd) t00" in planned
+    assert build_model("my_models:build", data.input_shape, data.num_classes).output_shape == (None, 10)
