@@ -84,6 +84,7 @@ def folder(tmp_path_factory):
     (root / "nets" / "broken.py").write_text("def build(input_shape, num_classes:\n")
     (root / "breaks_on_import.py").write_text("import keras\nraise RuntimeError('no GPU found')\n\n\n"
                                               "def build(input_shape, num_classes):\n    return None\n")
+    (root / "needs_a_package.py").write_text("import a_package_not_installed\n")
     np.savez(root / "digits.npz", **digits_uint8())
     return root
 
@@ -151,6 +152,8 @@ def test_a_users_model_trains_through_the_engine_and_the_stock_baseline(in_folde
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module:build", "model: no_such_module:build: no module 'no_such_module' in the current folder"),
     ("breaks_on_import:build", "module breaks_on_import does not import (RuntimeError: no GPU found)"),
+    ("needs_a_package:build", "module needs_a_package does not import (ModuleNotFoundError: No module named "
+                              "'a_package_not_installed')"),
     ("nets/broken.py:build", "nets/broken.py does not import (SyntaxError:"),
     ("nets/absent.py:build", "file nets/absent.py not found"),
     ("user_models:missing", "user_models has no 'missing'"),

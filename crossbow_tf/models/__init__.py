@@ -38,10 +38,8 @@ def _import_file(spec, path):
     sys.modules[name] = module
     try:
         loader_spec.loader.exec_module(module)
-    except BaseException as e:
+    except Exception as e:
         del sys.modules[name]
-        if not isinstance(e, Exception):
-            raise
         raise ConfigError(f"model: {spec}: {path} does not import ({type(e).__name__}: {_one_line(e)})") from None
     return module
 
@@ -54,13 +52,11 @@ def _import_module(spec, module_name):
         sys.path.insert(0, here)
     try:
         return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+    except Exception as e:
+        # The module itself missing, rather than something it imports.
+        if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
             raise ConfigError(f"model: {spec}: no module {module_name!r} in the current folder ({here}) "
                               "or on PYTHONPATH") from None
-        raise ConfigError(f"model: {spec}: module {module_name} does not import ({type(e).__name__}: "
-                          f"{_one_line(e)})") from None
-    except Exception as e:
         raise ConfigError(f"model: {spec}: module {module_name} does not import ({type(e).__name__}: "
                           f"{_one_line(e)})") from None
     finally:
