@@ -101,7 +101,7 @@ def train_keras(strategy, data, args, out):
     crossbow_tf.use_sma(model, strategy)
     training = crossbow_tf.keras.sma.get_training(model)
     save(out + ".initial.npz", training.center_weights(), [s.numpy() for s in training.engine.center_states[0]])
-    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=strategy.num_learners * BATCH, epochs=1, shuffle=False, verbose=0)
     save(out + ".npz", [v.numpy() for v in model.trainable_variables],
          [v.numpy() for v in model.non_trainable_variables], history.history["loss"])
 

@@ -260,6 +260,12 @@ def test_a_model_whose_only_loss_is_add_loss_trains_as_in_keras(cpu_devices):
     np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], atol=1e-5)
     assert history.history["loss"][-1] < history.history["loss"][0]
 
+    nothing = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    nothing.compile(optimizer=keras.optimizers.SGD(0.1))        # no loss, and no add_loss either
+    use_sma(nothing, _strategy(cpu_devices))
+    with pytest.raises(ValueError, match="No loss to compute"):
+        nothing.fit(x, batch_size=G, verbose=0)
+
 
 # ------------------------------------------------------------------------------------------ XLA
 def test_compile_jit_compile_true_says_it_is_not_applied(cpu_devices, capsys):
@@ -268,3 +274,17 @@ def test_compile_jit_compile_true_says_it_is_not_applied(cpu_devices, capsys):
     assert len(lines) == 1 and "is not applied" in lines[0], lines
     use_sma(_mlp(), _strategy(cpu_devices))               # Keras's "auto" (off on CPU): nothing to say
     assert "jit_compile" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------- the strategy line
+def test_a_strategy_created_after_tensorflow_started_says_where_it_belongs():
+    import subprocess
+    import sys
+    script = ("import tensorflow as tf\ntf.data.Dataset.range(3)\nimport crossbow_tf\n"
+              "crossbow_tf.CrossbowStrategy(learners_per_device=2, logical_cpu_devices=2)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "TensorFlow was already initialised with 1 logical CPU device(s); 2 were asked for" in last
+    assert "right after the imports" in last

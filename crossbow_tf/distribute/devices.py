@@ -24,7 +24,8 @@ def split_cpu(num_devices, cluster=None):
         if have != num_devices:
             raise ConfigError(
                 f"TensorFlow was already initialised with {have} logical CPU device(s); "
-                f"{num_devices} were asked for. Split the CPU before TensorFlow runs anything.") from None
+                f"{num_devices} were asked for. Create the CrossbowStrategy right after the imports, before "
+                "TensorFlow runs anything (a tf.data pipeline, a model, any op).") from None
     start_cluster(cluster)
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 

@@ -341,6 +341,8 @@ class CrossbowTraining:
         spec = tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), x)
         y_pred = self.model.compute_output_spec(spec)
         self.loss.build(y, y_pred)
+        if not self.loss.has_loss:
+            self._check_model_adds_a_loss(x)
         if tree.is_nested(x) or tree.is_nested(y_pred):
             # The engine slices single tensors; nested inputs and outputs travel packed.
             self._packers = (Packer(x), None, Packer(y_pred, differentiable=True))
@@ -348,6 +350,18 @@ class CrossbowTraining:
             packed = PackedModel(self.model, self._packers[0], self._packers[2])
             self.engine.learners = ReplicatedLearners(packed, self.loss)
         self._prepared = True
+
+    def _check_model_adds_a_loss(self, x):
+        # Keras's own refusal when there is nothing to minimise; a symbolic call records no add_loss
+        # terms, so the model runs once (unused by the step) on the traced batch.
+        model = self.model
+        training = {"training": True} if model._call_has_training_arg else {}
+        _, _, losses = model.stateless_call([v.value for v in model.trainable_variables],
+                                            [v.value for v in model.non_trainable_variables], x,
+                                            return_losses=True, **training)
+        if not losses:
+            raise ValueError("No loss to compute: the model was compiled without a loss and adds none with "
+                             "add_loss. Provide a `loss` argument in `compile()`.")
 
     def _pack_targets(self, targets, weighted):
         # Read when the engine's step is traced: nested targets, or targets with their sample

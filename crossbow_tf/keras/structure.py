@@ -76,11 +76,13 @@ def _resolve(path, structure):
     return structure
 
 
-def _per_example_mean(values):
+def _per_example_mean(values, rows):
     values = tf.convert_to_tensor(values)
     if values.shape.rank == 0:
-        raise ValueError("the loss returned one value for the whole batch; Crossbow training needs a "
-                         "loss that returns one value per example (y_true, y_pred) -> (batch, ...)")
+        # A loss that reduces the batch itself (keras-io's custom_mean_squared_error): the engine
+        # calls it on one learner's slice, so this is that learner's loss, given to each of its ROWS.
+        # Padding rows of a last partial batch are then not kept out of it.
+        return tf.fill([rows], values)
     if values.shape.rank == 1:
         return values
     return tf.reduce_mean(tf.reshape(values, [tf.shape(values)[0], -1]), axis=1)
@@ -151,7 +153,7 @@ class CompiledLoss:
             if sample_weight is not None:
                 weight = _resolve(path, sample_weight) if tree.is_nested(sample_weight) else sample_weight
                 values = _weighted(values, weight, real, getattr(loss_fn, "reduction", None))
-            out.append(tf.cast(_per_example_mean(values), tf.float32))
+            out.append(tf.cast(_per_example_mean(values, tf.shape(tree.flatten(y_p)[0])[0]), tf.float32))
         return out
 
     def unpack_targets(self, y_in):

@@ -1,0 +1,595 @@
+"""keras-io's scripts run in plain Keras and with use_sma's two lines, step by step, side by side.
+
+    python tools/keras_io_examples.py                 # all four scripts, every step
+    python tools/keras_io_examples.py --short         # CI's form (tests/test_keras_io_examples.py)
+    python tools/keras_io_examples.py --scripts mnist_convnet antirectifier
+
+The scripts are keras-team/keras-io's examples/vision/mnist_convnet.py,
+examples/keras_recipes/antirectifier.py, guides/writing_your_own_callbacks.py and
+guides/training_with_built_in_methods.py, transcribed step by step. What differs from them:
+- the data: the embedded digits (crossbow_tf.data.load_embedded_mnist, 4,000 / 1,000 real MNIST
+  digits) instead of keras.datasets.mnist, shaped as each script shapes its data;
+- fewer epochs (and steps_per_epoch=10 where the guide runs 100 steps of 64 examples, more than the
+  embedded digits hold);
+- the optimizer line: the scripts compile with Adam or RMSprop, which use_sma does not accept yet,
+  so both the plain Keras and the SMA runs use keras.optimizers.SGD at a rate that trains both
+  (OPTIMIZERS below: momentum 0.9, none for the callbacks guide's linear regression). The callbacks
+  guide's own schedule raises the rate to 0.05 at epoch 3, where SGD on that regression diverges
+  in both runs: the comparison there is of the hooks and their logs, not of the losses;
+- the two lines: the strategy right after the imports (2 logical CPU devices x 2 learners, so
+  k = 4 and the scripts' batches of 64 and 128 give learners 16 and 32 examples), and
+  `model = sma(model)` after every compile, which is use_sma in the SMA run and nothing in the
+  plain Keras run. Both runs share the process (and so its 2 logical devices).
+A step that fails in plain Keras 3 (the guide's add_metric, removed in Keras 3; ModelCheckpoint
+paths without the .keras suffix that Keras 3 requires) fails with SMA too and is not counted.
+
+Prints a table of every step's outcome and time in both runs and the test accuracies, then one
+JSON line with all of it.
+"""
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import crossbow_tf  # noqa: E402
+
+strategy = crossbow_tf.CrossbowStrategy(learners_per_device=2, logical_cpu_devices=2)   # extra line 1
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras import layers  # noqa: E402
+
+from crossbow_tf.data import load_embedded_mnist  # noqa: E402
+
+# The rate each script's optimizer line is swapped to (RMSprop / Adam are not accepted by use_sma yet).
+OPTIMIZERS = {
+    "mnist_convnet": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "antirectifier": lambda: keras.optimizers.SGD(0.02, momentum=0.9),
+    "callbacks": lambda: keras.optimizers.SGD(0.01),
+    "built_in_methods": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+}
+
+
+class Steps:
+    """Runs a script's steps, recording which raised (and why) instead of stopping at the first.
+
+    ``with step(name): ...`` runs a step; ``step.wanted(name)`` says whether the short form runs it."""
+
+    def __init__(self, short=False):
+        self.short = short
+        self.outcome, self.accuracy, self.seconds = {}, {}, {}
+
+    def wanted(self, name):
+        return not self.short or name not in LEFT_OUT_OF_SHORT_FORM
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        start = time.perf_counter()
+        try:
+            yield
+            self.outcome[name] = "ok"
+        except Exception as error:   # noqa: BLE001  (a failing step is an outcome to compare)
+            self.outcome[name] = "".join(traceback.format_exception_only(type(error), error)).strip()[:500]
+        self.seconds[name] = time.perf_counter() - start
+
+
+# Steps of the built-in methods guide that the short form (CI) leaves out, to keep CI short: every new
+# model costs its first step's trace (about 2.5 s here with SMA). Each repeats what another step
+# runs, or is checked against plain Keras in tests/test_keras_conventions.py (the weights).
+LEFT_OUT_OF_SHORT_FORM = {"custom Loss class", "custom metric", "tf.data with steps_per_epoch", "validation_steps",
+                          "multi-output: loss_weights and a dataset of dicts", "validation dataset", "validation_split",
+                          "class_weight", "sample_weight", "dataset with sample weights"}
+
+
+def mnist_convnet(sma, step):
+    num_classes = 10
+    input_shape = (28, 28, 1)
+    (x_train, y_train), (x_test, y_test) = load_embedded_mnist()   # already float32 (N, 28, 28, 1) in [0, 1]
+    y_train = keras.utils.to_categorical(y_train, num_classes)
+    y_test = keras.utils.to_categorical(y_test, num_classes)
+    with step("build"):
+        model = keras.Sequential([
+            keras.Input(shape=input_shape),
+            layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+            layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+            layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Flatten(),
+            layers.Dropout(0.5),
+            layers.Dense(num_classes, activation="softmax"),
+        ])
+        model.summary()
+    batch_size = 128
+    epochs = 3
+    with step("compile and fit"):
+        model.compile(loss="categorical_crossentropy", optimizer=OPTIMIZERS["mnist_convnet"](), metrics=["accuracy"])
+        model = sma(model)
+        model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, validation_split=0.1, verbose=0)
+    with step("evaluate"):
+        score = model.evaluate(x_test, y_test, verbose=0)
+        step.accuracy["test"] = score[1]
+
+
+class Antirectifier(layers.Layer):
+    def __init__(self, initializer="he_normal", **kwargs):
+        super().__init__(**kwargs)
+        self.initializer = keras.initializers.get(initializer)
+
+    def build(self, input_shape):
+        output_dim = input_shape[-1]
+        self.kernel = self.add_weight(shape=(output_dim * 2, output_dim), initializer=self.initializer,
+                                      name="kernel", trainable=True)
+
+    def call(self, inputs):
+        inputs -= tf.reduce_mean(inputs, axis=-1, keepdims=True)
+        pos = tf.nn.relu(inputs)
+        neg = tf.nn.relu(-inputs)
+        concatenated = tf.concat([pos, neg], axis=-1)
+        mixed = tf.matmul(concatenated, self.kernel)
+        return mixed
+
+    def get_config(self):
+        base_config = super().get_config()
+        config = {"initializer": keras.initializers.serialize(self.initializer)}
+        return dict(list(base_config.items()) + list(config.items()))
+
+
+def antirectifier(sma, step):
+    batch_size = 128
+    epochs = 2
+    (x_train, y_train), (x_test, y_test) = load_embedded_mnist()
+    x_train = x_train.reshape(-1, 784)
+    x_test = x_test.reshape(-1, 784)
+    with step("build, compile and fit"):
+        model = keras.Sequential([
+            keras.Input(shape=(784,)),
+            layers.Dense(256),
+            Antirectifier(),
+            layers.Dense(256),
+            Antirectifier(),
+            layers.Dropout(0.5),
+            layers.Dense(10),
+        ])
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=OPTIMIZERS["antirectifier"](),
+                      metrics=[keras.metrics.SparseCategoricalAccuracy()])
+        model = sma(model)
+        model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs, validation_split=0.15, verbose=0)
+    with step("evaluate"):
+        step.accuracy["test"] = model.evaluate(x_test, y_test, verbose=0)[1]
+
+
+def writing_your_own_callbacks(sma, step):
+    calls = step.accuracy.setdefault("calls", {})      # per step: every hook called, with its log keys
+    record = {}
+
+    def log(*entry):
+        record["to"].append(entry)
+
+    def get_model():
+        model = keras.Sequential()
+        model.add(keras.layers.Dense(1, input_dim=784))
+        model.compile(optimizer=OPTIMIZERS["callbacks"](), loss="mean_squared_error",
+                      metrics=["mean_absolute_error"])
+        return sma(model)
+
+    (x_train, y_train), (x_test, y_test) = load_embedded_mnist()
+    x_train = x_train.reshape(-1, 784)
+    x_test = x_test.reshape(-1, 784)
+    x_train, y_train, x_test, y_test = x_train[:1000], y_train[:1000], x_test[:1000], y_test[:1000]
+
+    class CustomCallback(keras.callbacks.Callback):
+        def _log(self, hook, logs):
+            log(hook, tuple(sorted((logs or {}).keys())))
+
+    for hook in ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_test_begin",
+                 "on_test_end", "on_predict_begin", "on_predict_end", "on_train_batch_begin", "on_train_batch_end",
+                 "on_test_batch_begin", "on_test_batch_end", "on_predict_batch_begin", "on_predict_batch_end"):
+        setattr(CustomCallback, hook, (lambda name: lambda self, *args, logs=None: self._log(name, logs))(hook))
+
+    with step("basic example"):
+        record["to"] = calls["basic example"] = []
+        model = get_model()
+        model.fit(x_train, y_train, batch_size=128, epochs=1, verbose=0, validation_split=0.5,
+                  callbacks=[CustomCallback()])
+        model.evaluate(x_test, y_test, batch_size=128, verbose=0, callbacks=[CustomCallback()])
+        model.predict(x_test, batch_size=128, callbacks=[CustomCallback()], verbose=0)
+
+    class LossAndErrorPrintingCallback(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            log("loss", logs["loss"])
+
+        def on_test_batch_end(self, batch, logs=None):
+            log("test loss", logs["loss"])
+
+        def on_epoch_end(self, epoch, logs=None):
+            log("epoch", logs["loss"], logs["mean_absolute_error"])
+
+    with step("logs dict"):
+        record["to"] = calls["logs dict"] = []
+        model = get_model()
+        model.fit(x_train, y_train, batch_size=128, epochs=2, verbose=0, callbacks=[LossAndErrorPrintingCallback()])
+        model.evaluate(x_test, y_test, batch_size=128, verbose=0, callbacks=[LossAndErrorPrintingCallback()])
+
+    class EarlyStoppingAtMinLoss(keras.callbacks.Callback):
+        def __init__(self, patience=0):
+            super().__init__()
+            self.patience = patience
+            self.best_weights = None
+
+        def on_train_begin(self, logs=None):
+            self.wait = 0
+            self.stopped_epoch = 0
+            self.best = np.inf          # the guide's np.Inf, gone in NumPy 2
+
+        def on_epoch_end(self, epoch, logs=None):
+            current = logs.get("loss")
+            if np.less(current, self.best):
+                self.best = current
+                self.wait = 0
+                self.best_weights = self.model.get_weights()
+            else:
+                self.wait += 1
+                if self.wait >= self.patience:
+                    self.stopped_epoch = epoch
+                    self.model.stop_training = True
+                    self.model.set_weights(self.best_weights)
+
+        def on_train_end(self, logs=None):
+            log("stopped", self.stopped_epoch)
+
+    with step("early stopping at minimum loss"):
+        record["to"] = []             # when it stops depends on the losses, which differ
+        model = get_model()
+        model.fit(x_train, y_train, batch_size=64, steps_per_epoch=5, epochs=30, verbose=0,
+                  callbacks=[LossAndErrorPrintingCallback(), EarlyStoppingAtMinLoss()])
+
+    class CustomLearningRateScheduler(keras.callbacks.Callback):
+        def __init__(self, schedule):
+            super().__init__()
+            self.schedule = schedule
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if not hasattr(self.model.optimizer, "learning_rate"):
+                raise ValueError('Optimizer must have a "learning_rate" attribute.')
+            lr = float(self.model.optimizer.learning_rate)
+            scheduled_lr = self.schedule(epoch, lr)
+            self.model.optimizer.learning_rate = scheduled_lr
+            log("lr", epoch, scheduled_lr)
+
+    LR_SCHEDULE = [(3, 0.05), (6, 0.01), (9, 0.005), (12, 0.001)]
+
+    def lr_schedule(epoch, lr):
+        if epoch < LR_SCHEDULE[0][0] or epoch > LR_SCHEDULE[-1][0]:
+            return lr
+        for i in range(len(LR_SCHEDULE)):
+            if epoch == LR_SCHEDULE[i][0]:
+                return LR_SCHEDULE[i][1]
+        return lr
+
+    with step("learning rate scheduling"):
+        record["to"] = calls["learning rate scheduling"] = []
+        model = get_model()
+        model.fit(x_train, y_train, batch_size=64, steps_per_epoch=5, epochs=15, verbose=0,
+                  callbacks=[LossAndErrorPrintingCallback(), CustomLearningRateScheduler(lr_schedule)])
+
+
+class ActivityRegularizationLayer(layers.Layer):
+    def call(self, inputs):
+        self.add_loss(tf.reduce_sum(inputs) * 0.1)
+        return inputs
+
+
+class MetricLoggingLayer(layers.Layer):
+    def call(self, inputs):
+        self.add_metric(keras.backend.std(inputs), name="std_of_activation", aggregation="mean")
+        return inputs
+
+
+class LogisticEndpoint(keras.layers.Layer):
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.accuracy_fn = keras.metrics.BinaryAccuracy()
+
+    def call(self, targets, logits, sample_weights=None):
+        loss = self.loss_fn(targets, logits, sample_weights)
+        self.add_loss(loss)
+        acc = self.accuracy_fn(targets, logits, sample_weights)
+        self.add_metric(acc, name="accuracy")
+        return tf.nn.softmax(logits)
+
+
+class CustomMSE(keras.losses.Loss):
+    def __init__(self, regularization_factor=0.1, name="custom_mse"):
+        super().__init__(name=name)
+        self.regularization_factor = regularization_factor
+
+    def call(self, y_true, y_pred):
+        mse = tf.math.reduce_mean(tf.square(y_true - y_pred))
+        reg = tf.math.reduce_mean(tf.square(0.5 - y_pred))
+        return mse + reg * self.regularization_factor
+
+
+class CategoricalTruePositives(keras.metrics.Metric):
+    def __init__(self, name="categorical_true_positives", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.true_positives = self.add_weight(name="ctp", initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_pred = tf.reshape(tf.argmax(y_pred, axis=1), shape=(-1, 1))
+        values = tf.cast(y_true, "int32") == tf.cast(y_pred, "int32")
+        values = tf.cast(values, "float32")
+        if sample_weight is not None:
+            sample_weight = tf.cast(sample_weight, "float32")
+            values = tf.multiply(values, sample_weight)
+        self.true_positives.assign_add(tf.reduce_sum(values))
+
+    def result(self):
+        return self.true_positives
+
+    def reset_state(self):
+        self.true_positives.assign(0.0)
+
+
+def training_with_built_in_methods(sma, step, workdir):
+    optimizer = OPTIMIZERS["built_in_methods"]
+    (x_train, y_train), (x_test, y_test) = load_embedded_mnist()
+    x_train = x_train.reshape(-1, 784)
+    x_test = x_test.reshape(-1, 784)
+    y_train = y_train.astype("float32")
+    y_test = y_test.astype("float32")
+    # Reserve 1,000 of the 4,000 samples for validation (the guide: 10,000 of 60,000).
+    x_val, y_val = x_train[-1000:], y_train[-1000:]
+    x_train, y_train = x_train[:-1000], y_train[:-1000]
+
+    def get_uncompiled_model():
+        inputs = keras.Input(shape=(784,), name="digits")
+        x = layers.Dense(64, activation="relu", name="dense_1")(inputs)
+        x = layers.Dense(64, activation="relu", name="dense_2")(x)
+        outputs = layers.Dense(10, activation="softmax", name="predictions")(x)
+        return keras.Model(inputs=inputs, outputs=outputs)
+
+    def get_compiled_model():
+        model = get_uncompiled_model()
+        model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy",
+                      metrics=["sparse_categorical_accuracy"])
+        return sma(model)
+
+    if step.wanted("end-to-end example"):
+        with step("end-to-end example"):
+            model = get_uncompiled_model()
+            model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(),
+                          metrics=[keras.metrics.SparseCategoricalAccuracy()])
+            model = sma(model)
+            history = model.fit(x_train, y_train, batch_size=64, epochs=2, validation_data=(x_val, y_val), verbose=0)
+            assert set(history.history) == {"loss", "sparse_categorical_accuracy", "val_loss",
+                                            "val_sparse_categorical_accuracy"}
+            results = model.evaluate(x_test, y_test, batch_size=128, verbose=0)
+            step.accuracy["test"] = results[1]
+            assert model.predict(x_test[:3], verbose=0).shape == (3, 10)
+
+    def custom_mean_squared_error(y_true, y_pred):
+        return tf.math.reduce_mean(tf.square(y_true - y_pred))
+
+    y_train_one_hot = tf.one_hot(y_train, depth=10)
+    if step.wanted("custom loss function"):
+        with step("custom loss function"):
+            model = get_uncompiled_model()
+            model.compile(optimizer=optimizer(), loss=custom_mean_squared_error)
+            model = sma(model)
+            model.fit(x_train, y_train_one_hot, batch_size=64, epochs=1, verbose=0)
+    if step.wanted("custom Loss class"):
+        with step("custom Loss class"):
+            model = get_uncompiled_model()
+            model.compile(optimizer=optimizer(), loss=CustomMSE())
+            model = sma(model)
+            model.fit(x_train, y_train_one_hot, batch_size=64, epochs=1, verbose=0)
+    if step.wanted("custom metric"):
+        with step("custom metric"):
+            model = get_uncompiled_model()
+            model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(),
+                          metrics=[CategoricalTruePositives()])
+            model = sma(model)
+            model.fit(x_train, y_train, batch_size=64, epochs=1, verbose=0)
+
+    def regularised(middle):
+        inputs = keras.Input(shape=(784,), name="digits")
+        x = layers.Dense(64, activation="relu", name="dense_1")(inputs)
+        x = middle()(x)
+        x = layers.Dense(64, activation="relu", name="dense_2")(x)
+        outputs = layers.Dense(10, name="predictions")(x)
+        model = keras.Model(inputs=inputs, outputs=outputs)
+        model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return sma(model)
+
+    if step.wanted("add_loss in a layer"):
+        with step("add_loss in a layer"):
+            regularised(ActivityRegularizationLayer).fit(x_train, y_train, batch_size=64, epochs=1, verbose=0)
+    if step.wanted("add_metric in a layer"):
+        with step("add_metric in a layer"):
+            regularised(MetricLoggingLayer).fit(x_train, y_train, batch_size=64, epochs=1, verbose=0)
+    if step.wanted("model.add_loss and add_metric"):
+        with step("model.add_loss and add_metric"):
+            inputs = keras.Input(shape=(784,), name="digits")
+            x1 = layers.Dense(64, activation="relu", name="dense_1")(inputs)
+            x2 = layers.Dense(64, activation="relu", name="dense_2")(x1)
+            outputs = layers.Dense(10, name="predictions")(x2)
+            model = keras.Model(inputs=inputs, outputs=outputs)
+            model.add_loss(tf.reduce_sum(x1) * 0.1)
+            model.add_metric(keras.backend.std(x1), name="std_of_activation", aggregation="mean")
+            model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = sma(model)
+            model.fit(x_train, y_train, batch_size=64, epochs=1, verbose=0)
+    if step.wanted("compiled without a loss (LogisticEndpoint)"):
+        with step("compiled without a loss (LogisticEndpoint)"):
+            inputs = keras.Input(shape=(3,), name="inputs")
+            targets = keras.Input(shape=(10,), name="targets")
+            logits = keras.layers.Dense(10)(inputs)
+            predictions = LogisticEndpoint(name="predictions")(logits, targets)
+            model = keras.Model(inputs=[inputs, targets], outputs=predictions)
+            model.compile(optimizer=optimizer())
+            model = sma(model)
+            data = {"inputs": np.random.random((3, 3)), "targets": np.random.random((3, 10))}
+            model.fit(data, verbose=0)
+    if step.wanted("validation_split"):
+        with step("validation_split"):
+            get_compiled_model().fit(x_train, y_train, batch_size=64, validation_split=0.2, epochs=1, verbose=0)
+
+    train_dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(buffer_size=1024).batch(64)
+    test_dataset = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(64)
+    val_dataset = tf.data.Dataset.from_tensor_slices((x_val, y_val)).batch(64)
+    if step.wanted("tf.data"):
+        with step("tf.data"):
+            model = get_compiled_model()
+            model.fit(train_dataset, epochs=1, verbose=0)
+            model.evaluate(test_dataset, verbose=0)
+    if step.wanted("tf.data with steps_per_epoch"):
+        with step("tf.data with steps_per_epoch"):
+            get_compiled_model().fit(train_dataset, epochs=3, steps_per_epoch=10, verbose=0)
+    if step.wanted("validation dataset"):
+        with step("validation dataset"):
+            get_compiled_model().fit(train_dataset, epochs=1, validation_data=val_dataset, verbose=0)
+    if step.wanted("validation_steps"):
+        with step("validation_steps"):
+            get_compiled_model().fit(train_dataset, epochs=1, validation_data=val_dataset, validation_steps=10,
+                                     verbose=0)
+
+    class_weight = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 2.0, 6: 1.0, 7: 1.0, 8: 1.0, 9: 1.0}
+    if step.wanted("class_weight"):
+        with step("class_weight"):
+            get_compiled_model().fit(x_train, y_train, class_weight=class_weight, batch_size=64, epochs=1, verbose=0)
+    sample_weight = np.ones(shape=(len(y_train),))
+    sample_weight[y_train == 5] = 2.0
+    if step.wanted("sample_weight"):
+        with step("sample_weight"):
+            get_compiled_model().fit(x_train, y_train, sample_weight=sample_weight, batch_size=64, epochs=1, verbose=0)
+    if step.wanted("dataset with sample weights"):
+        with step("dataset with sample weights"):
+            weighted = tf.data.Dataset.from_tensor_slices((x_train, y_train, sample_weight))
+            get_compiled_model().fit(weighted.shuffle(buffer_size=1024).batch(64), epochs=1, verbose=0)
+
+    image_input = keras.Input(shape=(32, 32, 3), name="img_input")
+    timeseries_input = keras.Input(shape=(None, 10), name="ts_input")
+    x1 = layers.GlobalMaxPooling2D()(layers.Conv2D(3, 3)(image_input))
+    x2 = layers.GlobalMaxPooling1D()(layers.Conv1D(3, 3)(timeseries_input))
+    x = layers.concatenate([x1, x2])
+    score_output = layers.Dense(1, name="score_output")(x)
+    class_output = layers.Dense(5, name="class_output")(x)
+    img_data = np.random.random_sample(size=(100, 32, 32, 3))
+    ts_data = np.random.random_sample(size=(100, 20, 10))
+    score_targets = np.random.random_sample(size=(100, 1))
+    class_targets = np.random.random_sample(size=(100, 5))
+    if step.wanted("multi-input, multi-output: lists and dicts"):
+        with step("multi-input, multi-output: lists and dicts"):
+            model = keras.Model(inputs=[image_input, timeseries_input], outputs=[score_output, class_output])
+            model.compile(optimizer=optimizer(),
+                          loss=[keras.losses.MeanSquaredError(), keras.losses.CategoricalCrossentropy()],
+                          metrics=[[keras.metrics.MeanAbsolutePercentageError(), keras.metrics.MeanAbsoluteError()],
+                                   [keras.metrics.CategoricalAccuracy()]])
+            model = sma(model)
+            model.fit([img_data, ts_data], [score_targets, class_targets], batch_size=32, epochs=1, verbose=0)
+            model.fit({"img_input": img_data, "ts_input": ts_data},
+                      {"score_output": score_targets, "class_output": class_targets}, batch_size=32, epochs=1, verbose=0)
+    if step.wanted("multi-output: loss_weights and a dataset of dicts"):
+        with step("multi-output: loss_weights and a dataset of dicts"):
+            model = keras.Model(inputs=[image_input, timeseries_input], outputs=[score_output, class_output])
+            model.compile(optimizer=optimizer(),
+                          loss={"score_output": keras.losses.MeanSquaredError(),
+                                "class_output": keras.losses.CategoricalCrossentropy()},
+                          loss_weights={"score_output": 2.0, "class_output": 1.0})
+            model = sma(model)
+            train = tf.data.Dataset.from_tensor_slices(
+                ({"img_input": img_data, "ts_input": ts_data},
+                 {"score_output": score_targets, "class_output": class_targets})).shuffle(buffer_size=1024).batch(64)
+            model.fit(train, epochs=1, verbose=0)
+
+    if step.wanted("EarlyStopping"):
+        with step("EarlyStopping"):
+            callbacks = [keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=1e-2, patience=2, verbose=0)]
+            get_compiled_model().fit(x_train, y_train, epochs=3, batch_size=64, callbacks=callbacks,
+                                     validation_split=0.2, verbose=0)
+    if step.wanted("ModelCheckpoint without the .keras suffix"):
+        with step("ModelCheckpoint without the .keras suffix"):
+            callbacks = [keras.callbacks.ModelCheckpoint(filepath=os.path.join(workdir, "mymodel_{epoch}"),
+                                                         save_best_only=True, monitor="val_loss")]
+            get_compiled_model().fit(x_train, y_train, epochs=2, batch_size=64, callbacks=callbacks,
+                                     validation_split=0.2, verbose=0)
+    if step.wanted("ModelCheckpoint every 100 batches, restored"):
+        with step("ModelCheckpoint every 100 batches, restored"):
+            checkpoint_dir = os.path.join(workdir, "ckpt")
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            callbacks = [keras.callbacks.ModelCheckpoint(filepath=checkpoint_dir + "/ckpt-loss={loss:.2f}",
+                                                         save_freq=100)]
+            get_compiled_model().fit(x_train, y_train, epochs=1, callbacks=callbacks, verbose=0)
+    if step.wanted("a schedule in the optimizer"):
+        with step("a schedule in the optimizer"):
+            lr_schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=100000, decay_rate=0.96,
+                                                                      staircase=True)
+            keras.optimizers.SGD(learning_rate=lr_schedule)
+    if step.wanted("TensorBoard callback"):
+        with step("TensorBoard callback"):
+            keras.callbacks.TensorBoard(log_dir=os.path.join(workdir, "logs"), histogram_freq=0, embeddings_freq=0,
+                                        update_freq="epoch")
+
+
+SCRIPTS = {
+    "mnist_convnet": lambda sma, step, workdir: mnist_convnet(sma, step),
+    "antirectifier": lambda sma, step, workdir: antirectifier(sma, step),
+    "writing_your_own_callbacks": lambda sma, step, workdir: writing_your_own_callbacks(sma, step),
+    "training_with_built_in_methods": training_with_built_in_methods,
+}
+
+
+def run(names, short=False):
+    """{script: {"plain": Steps, "sma": Steps}}: each script once in plain Keras, once with SMA."""
+    results = {}
+    for name in names:
+        results[name] = {}
+        for mode, sma in (("plain", lambda model: model),
+                          ("sma", lambda model: crossbow_tf.use_sma(model, strategy))):   # extra line 2
+            keras.utils.set_random_seed(0)
+            steps = Steps(short)
+            with tempfile.TemporaryDirectory() as workdir:
+                SCRIPTS[name](sma, steps, workdir)
+            results[name][mode] = steps
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scripts", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
+    p.add_argument("--short", action="store_true", help="leave out steps that repeat others (CI's form)")
+    args = p.parse_args(argv)
+    results = run(args.scripts, args.short)
+    print("| script | step | plain Keras | SMA | plain s | SMA s |")
+    print("|---|---|---|---|---|---|")
+    for name, modes in results.items():
+        plain, sma = modes["plain"], modes["sma"]
+        for step_name, outcome in plain.outcome.items():
+            ours = sma.outcome.get(step_name, "not run")
+            print(f"| {name} | {step_name} | {_short(outcome)} | {_short(ours)} | "
+                  f"{plain.seconds[step_name]:.1f} | {sma.seconds.get(step_name, float('nan')):.1f} |")
+    for name, modes in results.items():
+        if "test" in modes["plain"].accuracy:
+            print(f"{name}: test accuracy plain Keras {modes['plain'].accuracy['test']:.4f}, "
+                  f"SMA {modes['sma'].accuracy['test']:.4f}")
+    print(json.dumps({name: {mode: {"outcome": s.outcome, "seconds": s.seconds, "results": s.accuracy}
+                             for mode, s in modes.items()} for name, modes in results.items()}))
+    return 0
+
+
+def _short(outcome):
+    return outcome if outcome == "ok" else "fails: " + outcome.splitlines()[0][:60].replace("|", "/")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
