@@ -283,14 +283,16 @@ class CrossbowTraining:
         x_pad, y_pad = pad(x), pad(y_targets)
         mask = tf.cast(tf.range(global_batch) < n, tf.float32)
         self._prepare(x_pad, y_pad)
+        weights = None
         targets = y_pad
         if sample_weight is not None:
             if not self.loss.has_loss:
                 raise ValueError("sample weights apply to the compiled loss, and the model was compiled "
                                  "without one (its loss comes from add_loss alone)")
             _check_sample_weight(sample_weight)
-            targets = (y_pad, pad(sample_weight), mask)
-        self._pack_targets(targets, weighted=sample_weight is not None)
+            weights = pad(sample_weight)
+            targets = (y_pad, weights, mask)
+        self._pack_targets(targets, weighted=weights is not None)
         x_in = x_pad if self._packers is None else self._packers[0].pack(x_pad)
         y_in = targets if self.loss.target_packer is None else self.loss.target_packer.pack(targets)
 
@@ -306,13 +308,14 @@ class CrossbowTraining:
             predictions = self._packers[2].unpack(predictions)
         # The loss is the iteration's (all workers'); the predictions are this worker's rows.
         model._loss_tracker.update_state(loss, sample_weight=tf.cast(n, tf.float32))
-        weights = None if sample_weight is None else pad(sample_weight)
+        rows = lambda structure, start, stop: tree.map_structure(  # noqa: E731
+            lambda t: None if t is None else t[start:stop], structure)
         if self.strategy.num_workers > 1:
             start, stop = self.engine.local_rows(global_batch)
-            y_pad, weights = tree.map_structure(lambda t: None if t is None else t[start:stop], (y_pad, weights))
+            y_pad, weights = rows((y_pad, weights), start, stop)
             n = tf.clip_by_value(n - start, 0, stop - start)
         # Padding rows come last and are cut off before Keras's metrics see the step.
-        predictions, y_pad, weights = tree.map_structure(lambda t: None if t is None else t[:n], (predictions, y_pad, weights))
+        predictions, y_pad, weights = rows((predictions, y_pad, weights), 0, n)
         real = tf.cast(n, tf.float32)
         output_metrics = self.loss.output_metrics
         if output_metrics:
