@@ -4,6 +4,7 @@
   Keras ``fit``, ``keras.optimizers.SGD``); no crossbow engine code (baselines/tf_ssgd.py).
 - ``crossbow_ssgd``: Crossbow's synchronous SGD through our engine (gradients of k learners at z).
 - ``easgd``: synchronous elastic averaging SGD through our engine.
+- ``localsgd``: local SGD with an outer optimizer (Lin et al. 2020; DiLoCo's outer step) through our engine.
 
 ``sma`` is our method; it is listed in METHODS so that tools treat every method alike. Every
 method is a command ``python -m MODULE --config FILE --results FILE`` that writes one
@@ -33,6 +34,8 @@ METHODS = {
                             "Crossbow S-SGD through the crossbow engine (k learners' gradients at z)"),
     "easgd": Method("easgd", "baselines.easgd", "easgd", True,
                     "synchronous elastic averaging SGD through the crossbow engine"),
+    "localsgd": Method("localsgd", "crossbow_tf.run", "localsgd", True,
+                       "local SGD with an outer optimizer (DiLoCo's with outer momentum) through the crossbow engine"),
 }
 
 BASELINES = {name: m for name, m in METHODS.items() if name != "sma"}

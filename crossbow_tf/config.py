@@ -34,11 +34,21 @@ class DataConfig:
 
 @dataclasses.dataclass
 class AlgorithmConfig:
-    name: str = "sma"                       # sma | ssgd | easgd
+    """The update rule (crossbow_tf.algorithms). Keys left null take the rule's default; a key set
+    for a rule that has no such parameter is refused."""
+    name: str = "sma"                       # sma | ssgd | easgd | localsgd
     alpha: typing.Optional[float] = None    # None: 1/k for SMA, 0.9/k for EASGD
     momentum: float = 0.9
     central_momentum: float = 0.9
     weight_decay: float = 0.0
+    central_step: typing.Optional[float] = None   # SMA: beta of the decoupled Delta = beta*mean(s_j - z); null: k*alpha
+    sync_period: typing.Optional[int] = None      # SMA, EASGD: synchronise every H-th iteration (null: 1)
+    allow_unstable: bool = False                  # SMA, EASGD: run a central loop past its stability bound
+    period: typing.Optional[int] = None           # localsgd: H, iterations between synchronisations (null: 1)
+    outer_learning_rate: typing.Optional[float] = None   # localsgd: eta_o (null: 1.0)
+    outer_momentum: typing.Optional[float] = None        # localsgd: mu_o (null: 0)
+    nesterov: typing.Optional[bool] = None               # localsgd: Nesterov outer momentum (null: false)
+    local_after_epochs: typing.Optional[int] = None      # localsgd: post-local SGD, period 1 for E epochs
 
 
 @dataclasses.dataclass
@@ -164,13 +174,66 @@ def _build(cls, mapping, path):
     return cls(**values)
 
 
+ALGORITHM_NAMES = ("sma", "ssgd", "easgd", "localsgd")
+# The optional keys of AlgorithmConfig and the rules that take each (the others are always set).
+RULE_KEYS = {"central_step": ("sma",), "sync_period": ("sma", "easgd"), "period": ("localsgd",),
+             "outer_learning_rate": ("localsgd",), "outer_momentum": ("localsgd",), "nesterov": ("localsgd",),
+             "local_after_epochs": ("localsgd",)}
+
+
+def _validate_algorithm(a):
+    def need(ok, message):
+        if not ok:
+            raise ConfigError(message)
+    for key, rules in RULE_KEYS.items():
+        need(getattr(a, key) is None or a.name in rules,
+             f"algorithm.{key}: applies to {' and '.join(rules)}, not to {a.name}")
+    need(not a.allow_unstable or a.name in ("sma", "easgd"),
+         f"algorithm.allow_unstable: applies to sma and easgd (the rules with a central loop), not to {a.name}")
+    need(a.central_step is None or a.central_step > 0,
+         f"algorithm.central_step: must be positive or null (k*alpha), got {a.central_step}")
+    for key in ("sync_period", "period"):
+        need(getattr(a, key) is None or getattr(a, key) >= 1,
+             f"algorithm.{key}: must be at least 1 (1 synchronises every iteration), got {getattr(a, key)}")
+    need(a.outer_learning_rate is None or a.outer_learning_rate > 0,
+         f"algorithm.outer_learning_rate: must be positive, got {a.outer_learning_rate}")
+    need(a.outer_momentum is None or 0 <= a.outer_momentum < 1,
+         f"algorithm.outer_momentum: must be in [0, 1), got {a.outer_momentum}")
+    need(a.local_after_epochs is None or a.local_after_epochs >= 0,
+         f"algorithm.local_after_epochs: must not be negative, got {a.local_after_epochs}")
+
+
+def expected_learners(c):
+    """k as the config alone gives it (one worker, devices.logical_cpu devices of learners_per_device
+    learners), or None when it depends on the machine (learners_per_device auto, no logical_cpu)."""
+    if c.learners_per_device == "auto" or not c.devices.logical_cpu:
+        return None
+    return c.devices.logical_cpu * c.learners_per_device
+
+
+def check_central_loop(c, num_learners):
+    """Raises ConfigError when C's algorithm has an unstable central loop with NUM_LEARNERS learners
+    (crossbow_tf.algorithms.rules.check_central_loop), unless algorithm.allow_unstable."""
+    if c.algorithm.name not in ("sma", "easgd"):
+        return
+    from crossbow_tf.stability import check_central_loop as check
+    a = c.algorithm
+    alpha = a.alpha if a.alpha is not None else (1.0 if a.name == "sma" else 0.9) / num_learners
+    try:
+        check(a.name.upper(), alpha, a.central_step, a.central_momentum if a.name == "sma" else 0.0,
+              num_learners, a.allow_unstable)
+    except ValueError as e:
+        raise ConfigError(f"algorithm: {str(e).split(': ', 1)[1]}") from None
+
+
 def _validate(c):
     def need(ok, message):
         if not ok:
             raise ConfigError(message)
     _validate_model_and_data(c, need)
-    need(c.algorithm.name in ("sma", "ssgd", "easgd"),
-         f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose sma, ssgd or easgd")
+    need(c.algorithm.name in ALGORITHM_NAMES,
+         f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose {', '.join(ALGORITHM_NAMES)}")
+    _validate_algorithm(c.algorithm)
     need(c.learners in ("auto", "fused", "replicated"),
          f"learners: unknown {c.learners!r}; choose auto, fused or replicated")
     need(c.learners_per_device == "auto"
@@ -227,6 +290,8 @@ def _validate(c):
     need(c.on_divergence in ("stop", "rollback"),
          f"on_divergence: unknown {c.on_divergence!r}; choose stop or rollback")
     need(c.max_rollbacks >= 0, f"max_rollbacks: must not be negative, got {c.max_rollbacks}")
+    if expected_learners(c) is not None:   # else the run checks, once it knows k
+        check_central_loop(c, expected_learners(c))
     return c
 
 

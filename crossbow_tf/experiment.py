@@ -10,10 +10,12 @@ from crossbow_tf.errors import ConfigError
 
 
 def make_algorithm(cfg):
+    """CFG's update rule; its keys left null take the rule's defaults (config.py refuses keys set
+    for a rule that does not take them)."""
     a = cfg.algorithm
     cls = ALGORITHMS[a.name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in dataclasses.asdict(a).items() if k in fields}
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {k: v for k, v in dataclasses.asdict(a).items() if k in fields and v is not None}
     return cls(**kwargs)
 
 
@@ -51,6 +53,10 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
         keras.utils.set_random_seed(cfg.seed)
         return build_model(cfg.model, data.input_shape, data.num_classes)
 
+    if "allow_unstable" in {f.name for f in dataclasses.fields(algorithm)}:
+        # The tuner measures images/s only: every m is measured, and the stability guard applies
+        # to the m it chooses, before training.
+        algorithm = dataclasses.replace(algorithm, allow_unstable=True)
     t = cfg.autotune
     # The tuner never tries more learners than one iteration's examples the training set holds.
     max_learners = max(1, min(t.max_learners_per_device, data.train.size // (len(devices) * cfg.batch_size)))
@@ -134,7 +140,7 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None
 def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     import keras
 
-    from crossbow_tf.config import check_fits_data, to_dict
+    from crossbow_tf.config import check_central_loop, check_fits_data, to_dict
     from crossbow_tf.data import load_dataset
     from crossbow_tf.data.pipeline import iterations_per_epoch
     from crossbow_tf.engine.core import Engine
@@ -161,6 +167,7 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
                 f"(the smallest of their choices; this worker chose {own})")
         learners_per_device = tuning.chosen
     strategy = make_strategy(cfg, devices, learners_per_device, cluster)
+    check_central_loop(cfg, strategy.num_learners)   # with this machine's k, before any training
     # Seeded after tuning, which draws random numbers: the run is the one a fixed m would give.
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)

@@ -40,11 +40,21 @@ def lr_at(t, base, drops, factor):
 
 
 def run_reference(algorithm, params0, x, y, k, b, iterations, base_lr, drops=(), factor=0.1,
-                  mu=0.9, mu_z=0.9, wd=0.0, alpha=None):
+                  mu=0.9, mu_z=0.9, wd=0.0, alpha=None, central_step=None, period=1, synchronised=None,
+                  outer_lr=1.0, outer_mu=0.0, nesterov=False):
     """Runs ITERATIONS iterations (wrapping into further epochs in the same order).
 
+    CENTRAL_STEP (SMA): Delta = central_step * mean_j (s_j - z) instead of sum_j delta_j.
+    PERIOD: iteration t synchronises when (t + 1) % PERIOD == 0 (SMA, EASGD, local SGD), or when
+    SYNCHRONISED(t) says so; the others are the learners' own momentum steps only.
+    Local SGD ("localsgd"): every learner steps; at a synchronisation g_o = z - mean_j w_j,
+    u = outer_mu*u + g_o, z = z - outer_lr*(g_o + outer_mu*u) (NESTEROV) or z - outer_lr*u, and
+    every learner restarts from z (velocities kept).
     Returns (z, learners' weights).
     """
+    if synchronised is None:
+        def synchronised(t):
+            return (t + 1) % period == 0
     n = len(y)
     per_epoch = -(-n // (k * b))
     z = [p.astype(np.float64).copy() for p in params0]
@@ -58,6 +68,19 @@ def run_reference(algorithm, params0, x, y, k, b, iterations, base_lr, drops=(),
         if algorithm == "sma" and t > 0 and lr < lr_at(t - 1, base_lr, drops, factor):
             w = [[p.copy() for p in z] for _ in range(k)]
         slices = learner_slices(n, k, b, t % per_epoch)
+        if algorithm == "localsgd" or (algorithm in ("sma", "easgd") and not synchronised(t)):
+            for j, s in enumerate(slices):
+                _, g = mlp_loss_grads(w[j], x[s], y[s])
+                for i in range(len(z)):
+                    v[j][i] = mu * v[j][i] - lr * (g[i] + wd * w[j][i])
+                    w[j][i] = w[j][i] + v[j][i]
+            if algorithm == "localsgd" and synchronised(t):
+                for i in range(len(z)):
+                    g_o = z[i] - sum(w[j][i] for j in range(k)) / k
+                    u[i] = outer_mu * u[i] + g_o
+                    z[i] = z[i] - outer_lr * ((g_o + outer_mu * u[i]) if nesterov else u[i])
+                w = [[p.copy() for p in z] for _ in range(k)]
+            continue
         if algorithm == "ssgd":
             total = sum(len(s) for s in slices)
             G = [np.zeros_like(p) for p in z]
@@ -70,10 +93,10 @@ def run_reference(algorithm, params0, x, y, k, b, iterations, base_lr, drops=(),
                 z[i] = z[i] + u[i]
             w = [[p.copy() for p in z] for _ in range(k)]
             continue
-        deltas = []
+        deltas, differences = [], []
         for j, s in enumerate(slices):
             _, g = mlp_loss_grads(w[j], x[s], y[s])
-            delta_j = []
+            delta_j, difference_j = [], []
             for i in range(len(z)):
                 if algorithm == "sma":
                     snapshot = w[j][i].copy()
@@ -81,6 +104,7 @@ def run_reference(algorithm, params0, x, y, k, b, iterations, base_lr, drops=(),
                     v[j][i] = mu * v[j][i] - lr * gi
                     w[j][i] = w[j][i] + v[j][i]
                     d = alpha * (snapshot - z[i])
+                    difference_j.append(snapshot - z[i])
                     w[j][i] = w[j][i] - d
                 else:  # easgd
                     d = alpha * (w[j][i] - z[i])
@@ -88,8 +112,11 @@ def run_reference(algorithm, params0, x, y, k, b, iterations, base_lr, drops=(),
                     w[j][i] = w[j][i] + v[j][i] - d
                 delta_j.append(d)
             deltas.append(delta_j)
+            differences.append(difference_j)
         for i in range(len(z)):
             total = sum(d[i] for d in deltas)
+            if algorithm == "sma" and central_step is not None:
+                total = central_step * sum(e[i] for e in differences) / k
             if algorithm == "sma":
                 u[i] = mu_z * u[i] + total
                 z[i] = z[i] + u[i]

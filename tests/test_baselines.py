@@ -24,11 +24,11 @@ ENGINE_PARTS = ("crossbow_tf.engine", "crossbow_tf.distribute", "crossbow_tf.alg
 
 
 def test_registry_names_runnable_modules():
-    assert set(BASELINES) == {"tf_ssgd", "crossbow_ssgd", "easgd"}
+    assert set(BASELINES) == {"tf_ssgd", "crossbow_ssgd", "easgd", "localsgd"}
     assert set(METHODS) == set(BASELINES) | {"sma"}
     for m in METHODS.values():
         assert importlib.util.find_spec(m.module) is not None, m.module
-    assert not METHODS["tf_ssgd"].engine and all(METHODS[n].engine for n in ("sma", "crossbow_ssgd", "easgd"))
+    assert not METHODS["tf_ssgd"].engine and all(METHODS[n].engine for n in ("sma", "crossbow_ssgd", "easgd", "localsgd"))
 
 
 def _imports(path):

@@ -301,14 +301,14 @@ class _PoisonOnce:
     def __init__(self, engine, at):
         self.engine, self.at, self.calls, self.step = engine, at, 0, engine.train_step
 
-    def __call__(self, x, y, mask, lr):
+    def __call__(self, x, y, mask, lr, **kwargs):
         self.calls += 1
         if self.calls == self.at:
             w = self.engine.weights[0][0]
             poisoned = w.numpy()
             poisoned[1, 0, 0] = np.nan
             w.assign(poisoned)
-        return self.step(x, y, mask, lr)
+        return self.step(x, y, mask, lr, **kwargs)
 
 
 @pytest.mark.parametrize("action", ["stop", "rollback"])

@@ -38,7 +38,9 @@ HYPER = {"plain": dict(mu=0.0, mu_z=0.0, wd=0.0), "momentum_wd": dict(mu=0.9, mu
 
 def make_algorithm(name, h):
     if name == "sma":
-        return SMA(momentum=h["mu"], central_momentum=h["mu_z"], weight_decay=h["wd"])
+        # With mu_z = 0, one learner's default alpha = 1 sits exactly on the central loop's bound.
+        return SMA(momentum=h["mu"], central_momentum=h["mu_z"], weight_decay=h["wd"],
+                   allow_unstable=h["mu_z"] == 0)
     if name == "ssgd":
         return SynchronousSGD(momentum=h["mu"], weight_decay=h["wd"])
     return ElasticAveragingSGD(momentum=h["mu"], weight_decay=h["wd"])

@@ -362,6 +362,11 @@ def _normal_form(text):
     try:
         mapping = yaml.safe_load(text) or {}
         experiment, sections = split_sections(mapping)
+        algorithm = experiment.setdefault("algorithm", {})
+        if algorithm.get("name", "sma") in ("sma", "easgd"):
+            # Permission to run past the stability bound changes no trajectory: runs written before
+            # the guard existed are the same runs.
+            algorithm["allow_unstable"] = True
         return (config_lib.to_dict(config_lib.from_dict(experiment)),
                 parse_tf_ssgd_options(sections["tf_ssgd"]) if "tf_ssgd" in mapping else None)
     except (ConfigError, yaml.YAMLError, AttributeError, TypeError):

@@ -42,7 +42,7 @@ from baselines import METHODS
 from crossbow_tf.errors import ConfigError
 
 _need = harness._need
-LEARNER_METHODS = ("sma", "easgd", "crossbow_ssgd")     # the global batch is k learners x b
+LEARNER_METHODS = ("sma", "easgd", "crossbow_ssgd", "localsgd")     # the global batch is k learners x b
 _IN_K = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)?\s*/\s*(k|sqrt\(k\))\s*$")
 
 
@@ -56,6 +56,9 @@ class Series:
     points: dict               # G -> {"fixed": {...}, "grid": {...}}
     untuned: bool
     global_batches: list       # None: every point of the study
+    # Not one of the paper's methods (an averaging method beyond Crossbow's SMA): judged in the
+    # report's own verdict row, kept out of the rows about the paper's claims.
+    beyond_crossbow: bool = False
 
 
 @dataclasses.dataclass
@@ -106,11 +109,14 @@ def in_k(value, k):
 
 def _series(name, body, where, points):
     body = harness._mapping(body, where)
-    harness._known(body, ("method", "batch_size", "fixed", "grid", "points", "untuned", "global_batches"), where)
+    harness._known(body, ("method", "batch_size", "fixed", "grid", "points", "untuned", "global_batches",
+                          "beyond_crossbow"), where)
     method = body.get("method", name)
     _need(method in METHODS, f"{where}.method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     untuned = body.get("untuned", False)
     _need(isinstance(untuned, bool), f"{where}.untuned: expected true or false, got {untuned!r}")
+    beyond = body.get("beyond_crossbow", method not in ("sma", "tf_ssgd"))
+    _need(isinstance(beyond, bool), f"{where}.beyond_crossbow: expected true or false, got {beyond!r}")
     if method in LEARNER_METHODS:
         batch = harness._positive(body.get("batch_size"), f"{where}.batch_size (per learner)", int)
     else:
@@ -137,7 +143,7 @@ def _series(name, body, where, points):
         _need(not grid and not any(p["grid"] for p in per_point.values()),
               f"{where}: an untuned series runs one setting (fixed only), not a grid")
     return Series(str(name), method, batch, harness._mapping(body.get("fixed"), f"{where}.fixed"), grid,
-                  per_point, untuned, own)
+                  per_point, untuned, own, beyond)
 
 
 def parse_study(section, experiment, where="sweep"):

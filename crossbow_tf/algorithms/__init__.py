@@ -1,3 +1,5 @@
-from crossbow_tf.algorithms.rules import ALGORITHMS, SMA, ElasticAveragingSGD, SynchronousSGD
+from crossbow_tf.algorithms.rules import (ALGORITHMS, SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD,
+                                         central_loop_bound, largest_stable_alpha)
 
-__all__ = ["ALGORITHMS", "SMA", "ElasticAveragingSGD", "SynchronousSGD"]
+__all__ = ["ALGORITHMS", "SMA", "ElasticAveragingSGD", "LocalSGD", "SynchronousSGD", "central_loop_bound",
+           "largest_stable_alpha"]

@@ -31,6 +31,7 @@ _RECORD_KEY = "record/.ATTRIBUTES/VARIABLE_VALUE"
 NON_TRAJECTORY_KEYS = ("name", "epochs", "target_accuracy", "stop_at_target", "eval_batch_size",
                        "data.data_dir", "autotune.", "checkpoint.", "on_divergence", "max_rollbacks",
                        "learner_diagnostics", "collapse_epochs", "batchnorm_eval", "batchnorm_batches",
+                       "algorithm.allow_unstable",
                        "data.path", "tensorboard")
 
 

@@ -163,6 +163,12 @@ class Engine:
         self._update_groups = _update_groups(model.trainable_variables, m)
         self._central_update = tf.function(self._central_update_fn, autograph=False)
         self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
+        # The iterations between two synchronisations run a step of their own: the learners' own
+        # updates, with no collective in its graph at all.
+        self._own_update = tf.function(self._own_update_fn, jit_compile=jit_update, autograph=False)
+        self._local_step = tf.function(self._local_step_fn, jit_compile=jit_compile, autograph=False)
+        self.iteration = 0                # the next train_step's iteration, unless it is given one
+        self.iterations_per_epoch = None  # for rules whose period changes after some epochs
         self._reset = tf.function(self._reset_fn, autograph=False)
         # Whether the last step's loss and z were finite: written by every step, read only when the
         # loss it returned says something was not.
@@ -171,6 +177,9 @@ class Engine:
             if self._cross_worker is not None:
                 self._stop_vote = tf.Variable(0.0, trainable=False, name="stop_vote")
                 self._stop_votes = tf.Variable(0.0, trainable=False, name="stop_votes")
+                # A non-finite loss in a local step waits for the next synchronisation, so that
+                # every worker learns of it in the same iteration.
+                self._pending_non_finite = tf.Variable(0.0, trainable=False, name="pending_non_finite")
 
     def _learner_states(self, state, is_float, device_index):
         m = self.strategy.learners_per_device
@@ -186,7 +195,11 @@ class Engine:
     def num_learners(self):
         return self.strategy.num_learners
 
-    def train_step(self, x, y, mask, lr, total_count=None):
+    def synchronises(self, iteration):
+        """Whether ITERATION (counted from 0 in the run) is a synchronising one for the rule."""
+        return self.algorithm.synchronises(iteration, self.iterations_per_epoch)
+
+    def train_step(self, x, y, mask, lr, total_count=None, iteration=None):
         """One iteration on a global batch of k*b examples cut into k consecutive slices of b.
 
         X and Y have k*b rows (NumPy arrays or tensors; float64 features are cast to float32); MASK
@@ -199,6 +212,10 @@ class Engine:
         checks them directly). On several workers every worker is given the same global batch and
         trains its learners' slices (``local_rows``), or, with TOTAL_COUNT (the iteration's real
         examples on all workers), only those rows: X, Y and MASK then have D*m*b rows.
+
+        ITERATION (from 0 in the run; default: the engine's own count of calls) decides whether the
+        step synchronises (``algorithm.synchronises``); an iteration that does not runs the learners'
+        own steps only (no correction, z unchanged, no cross-device or cross-worker reduction).
         """
         x, y, mask = self._checked_batch(x, y, mask, local=total_count is not None)
         lr_value = _checked_learning_rate(lr)
@@ -209,7 +226,10 @@ class Engine:
         self._learners_at_center = False
         if total_count is not None:
             total_count = tf.cast(total_count, tf.float32)
-        return self._step(x, y, mask, tf.cast(lr, tf.float32), total_count)
+        iteration = self.iteration if iteration is None else iteration
+        self.iteration = iteration + 1
+        step = self._step if self.synchronises(iteration) else self._local_step
+        return step(x, y, mask, tf.cast(lr, tf.float32), total_count)
 
     def _checked_batch(self, x, y, mask, local=False):
         k = self.strategy.local_learners if local else self.num_learners
@@ -235,8 +255,9 @@ class Engine:
         start = self.strategy.first_learner * b
         return start, start + self.strategy.local_learners * b
 
-    def _step_fn(self, x, y, mask, lr, total_count=None):
-        strategy, alg = self.strategy, self.algorithm
+    def _worker_slices(self, x, y, mask, total_count):
+        """(x, y, mask) of this worker's learners as [D, m, b, ...] and the iteration's real count."""
+        strategy = self.strategy
         D, m = strategy.num_devices, strategy.learners_per_device
         if total_count is None:   # the whole iteration: this worker trains its own rows of it
             total_count = tf.reduce_sum(mask)
@@ -247,6 +268,47 @@ class Engine:
         x = tf.reshape(x, [D, m, b] + x.shape[1:].as_list())
         y = tf.reshape(y, [D, m, b] + y.shape[1:].as_list())
         mask = tf.reshape(mask, [D, m, b])
+        return x, y, mask, total_count
+
+    def _local_step_fn(self, x, y, mask, lr, total_count=None):
+        """An iteration between synchronisations: every learner takes its own step; z, u and z's
+        state stay; nothing crosses a device or a worker but each device's loss sum (a scalar, for
+        the reported loss)."""
+        strategy, alg = self.strategy, self.algorithm
+        x, y, mask, total_count = self._worker_slices(x, y, mask, total_count)
+        m, b = strategy.learners_per_device, x.shape[2]
+        loss_sums, all_preds = [], []
+        for d, device in enumerate(strategy.devices):
+            with tf.device(device):
+                weights = [w.read_value() for w in self.weights[d]]
+                states = [s.read_value() for s in self.states[d]]
+                losses, grads, new_states, preds = self.learners(weights, states, x[d], y[d], mask[d])
+                self.step_learners(d, grads, lr)
+                for variable, value in zip(self.states[d], new_states):
+                    variable.assign(value)
+                loss_sums.append(tf.reduce_sum(losses * tf.reduce_sum(mask[d], axis=1)))
+                all_preds.append(preds)
+        with tf.device(strategy.devices[0]):
+            loss_sum = tf.reduce_sum(tf.stack(loss_sums))
+            if self._cross_worker is None:
+                loss = loss_sum / tf.maximum(total_count, 1.0)
+            else:
+                # This worker's learners only; a non-finite loss is told to every worker by the next
+                # synchronisation's all-reduce (each worker stops there), not by this worker alone.
+                loss = loss_sum / tf.maximum(tf.reduce_sum(mask), 1.0)
+                finite = tf.math.is_finite(loss)
+                self._pending_non_finite.assign(tf.maximum(self._pending_non_finite, 1.0 - tf.cast(finite, tf.float32)))
+                loss = tf.where(finite, loss, tf.zeros_like(loss))
+            self._finite.assign(tf.stack([tf.math.is_finite(loss), self._finite[1]]))
+            loss = tf.where(tf.math.is_finite(loss), loss, tf.constant(float("nan"), loss.dtype))
+        preds = tf.concat([tf.reshape(p, [m * b] + p.shape[2:].as_list()) for p in all_preds], 0)
+        return loss, preds
+
+    def _step_fn(self, x, y, mask, lr, total_count=None):
+        strategy, alg = self.strategy, self.algorithm
+        D, m = strategy.num_devices, strategy.learners_per_device
+        x, y, mask, total_count = self._worker_slices(x, y, mask, total_count)
+        b = x.shape[2]
         local = []
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
@@ -275,8 +337,12 @@ class Engine:
             # The worker's sums from its first device, with the loss sum: one all-reduce per iteration.
             # A worker's request to stop (a signal it received) travels in it too, so that every
             # worker stops after the same iteration.
-            *totals, loss_sum, stop_votes = self._cross_worker(reduced[0] + [loss_sum, self._stop_vote.read_value()])
+            *totals, loss_sum, stop_votes, non_finite = self._cross_worker(
+                reduced[0] + [loss_sum, self._stop_vote.read_value(), self._pending_non_finite.read_value()])
             self._stop_votes.assign(stop_votes)
+            self._pending_non_finite.assign(0.0)
+            # A local step since the last synchronisation went non-finite on some worker.
+            loss_sum = tf.where(non_finite > 0, tf.constant(float("nan"), loss_sum.dtype), loss_sum)
             reduced = [totals] * D
         n_weights = len(self.center[0])
         k = float(self.num_learners)
@@ -290,6 +356,8 @@ class Engine:
                     if self._float_state[i]:
                         # z's BatchNorm statistics are the mean of all learners' statistics.
                         self.center_states[d][i].assign(next(float_states) / k)
+        if alg.restarts_learners:
+            self._reset_fn()
         loss = loss_sum / tf.maximum(total_count, 1.0)
         # One pass over z, not over the k learners' copies: checking those in the step made a LeNet
         # iteration with 8 learners about 10% slower. A learner gone non-finite shows in its next loss.
@@ -316,6 +384,26 @@ class Engine:
                 new_velocities.append(new_v)
             sums.append(tf.reduce_sum(contribution, axis=0))
         return new_weights, new_velocities, sums
+
+    def _own_update_fn(self, weights, velocities, grads, lr):
+        """The learners' own step on a group of weights of a device (one XLA launch), as
+        ``_local_update_fn`` but with no correction and no contribution."""
+        new_weights, new_velocities = [], []
+        for w, v, g in zip(weights, velocities or [None] * len(weights), grads):
+            new_w, new_v = self.algorithm.learner_step(w, v, g, lr)
+            new_weights.append(new_w)
+            if velocities:
+                new_velocities.append(new_v)
+        return new_weights, new_velocities
+
+    def step_learners(self, d, grads, lr):
+        """The learners' own steps on device D (inside a tf.function), group by group."""
+        for group in self._update_groups:
+            weights = [self.weights[d][i] for i in group]
+            velocities = [self.velocities[d][i] for i in group] if self.velocities[d] else []
+            new_weights, new_velocities = self._own_update(weights, velocities, [grads[i] for i in group], lr)
+            for variable, value in zip(weights + velocities, new_weights + new_velocities):
+                variable.assign(value)
 
     def _central_update_fn(self, centers, center_velocities, totals, lr):
         new = [self.algorithm.central(z, u, total, lr) for z, u, total in zip(centers, center_velocities, totals)]

@@ -161,6 +161,7 @@ class _Run:
         self.checkpoints, self.stop_signals = checkpoints, stop_signals
         self.global_batch = engine.num_learners * batch_size
         self.per_epoch = iterations_per_epoch(data.train.size, self.global_batch)
+        engine.iterations_per_epoch = self.per_epoch   # post-local SGD's switch is counted in epochs
         self.evaluator = Evaluator(engine.model, engine.learners.per_example_loss)
         if engine.strategy.cluster is not None:
             # Once per epoch on the chief; the other workers receive its figures (same z on every worker).
@@ -219,7 +220,8 @@ class _Run:
                 step_start = time.perf_counter()
                 if engine.algorithm.reset_on_lr_drop and is_drop(schedule, p.iteration):
                     engine.reset_learners()
-                loss, _ = engine.train_step(x, y, mask, schedule(p.iteration) * p.lr_scale, *count)
+                loss, _ = engine.train_step(x, y, mask, schedule(p.iteration) * p.lr_scale, *count,
+                                            iteration=p.iteration)
                 loss = float(loss)   # NaN when the loss, a learner or z is not finite (Engine.train_step)
                 if not math.isfinite(loss):
                     raise _NonFinite(engine.non_finite() or ["the loss"], p.iteration + 1, epoch, p.position + 1,
