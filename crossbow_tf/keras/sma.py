@@ -158,9 +158,10 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     if reset_on_lr_drop not in ("auto", True, False) or not isinstance(reset_on_lr_drop, (str, bool)):
         raise ValueError(f"reset_on_lr_drop must be \"auto\", True or False, got {reset_on_lr_drop!r}")
     if model.jit_compile and not jit_compile:
-        print("crossbow_tf: compile(jit_compile=True) is not applied: XLA around Keras's step does not "
-              "support the engine's cross-device step; use_sma(..., jit_compile=True) compiles the engine's "
-              "step with XLA (slower on CPU)", flush=True)
+        # Keras resolves compile(jit_compile="auto") to True on GPUs too: say what happens either way.
+        print("crossbow_tf: the model's jit_compile=True (XLA) is not applied to the Crossbow step: XLA around "
+              "Keras's step does not support the engine's cross-device step; use_sma(..., jit_compile=True) "
+              "compiles the engine's own step with XLA (slower on CPU)", flush=True)
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
                                 learners=learners, per_learner_batch=per_learner_batch)
     setattr(model, _ATTRIBUTE, training)
