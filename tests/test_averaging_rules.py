@@ -290,3 +290,42 @@ def test_the_guard_refuses_at_and_past_the_bound_and_names_it():
 def test_bad_rule_parameters_are_named(rule, message):
     with pytest.raises((TypeError, ValueError), match=message):
         rule()
+
+
+# --- the Keras path: a rule instance, its period counted in Keras's iterations ------------------------
+
+@pytest.mark.parametrize("rule, reference", [
+    (SMA(alpha=0.3, central_step=2.0, sync_period=3), dict(algorithm="sma", mu_z=0.9, alpha=0.3, central_step=2.0,
+                                                          period=3)),
+    (LocalSGD(period=2, outer_learning_rate=0.7, outer_momentum=0.9, nesterov=True),
+     dict(algorithm="localsgd", period=2, outer_lr=0.7, outer_mu=0.9, nesterov=True)),
+], ids=["sma_decoupled_H3", "diloco_H2"])
+def test_use_sma_takes_a_rule_and_fit_follows_its_period(rule, reference, cpu_devices):
+    """fit over 2 epochs of 5 steps (the global batch 8 = 2 learners x 4): the period runs on across
+    epochs, as Keras counts iterations, and z matches the NumPy transcription."""
+    from crossbow_tf.keras import use_sma
+    x, y = toy_data()
+    model = small_mlp()
+    params0 = [v.numpy() for v in model.trainable_variables]
+    model.compile(optimizer=keras.optimizers.SGD(RATE, momentum=0.9), loss=LOSS)
+    use_sma(model, CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=1), algorithm=rule)
+    model.fit(x, y, batch_size=2 * B, epochs=2, shuffle=False, verbose=0)
+    z_ref, _ = run_reference(params0=params0, x=x, y=y, k=2, b=B, iterations=10, base_lr=RATE, mu=0.9, **reference)
+    for got, want in zip(model.trainable_variables, z_ref):
+        np.testing.assert_allclose(got.numpy(), want, atol=2e-5, rtol=0)
+    assert max(np.abs(a - b).max() for a, b in zip(z_ref, params0)) > 1e-2
+
+
+def test_use_sma_refuses_a_rule_that_contradicts_the_compiled_optimizer(cpu_devices):
+    from crossbow_tf.keras import use_sma
+    model = small_mlp()
+    model.compile(optimizer=keras.optimizers.SGD(RATE, momentum=0.5), loss=LOSS)
+    strategy = CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2)
+    with pytest.raises(ValueError, match=r"SMA\(momentum=0.8\) conflicts with the compiled optimizer's momentum=0.5"):
+        use_sma(model, strategy, algorithm=SMA(momentum=0.8))
+    with pytest.raises(ValueError, match=r"LocalSGD\(local_after_epochs=...\) is not supported by fit"):
+        use_sma(model, strategy, algorithm=LocalSGD(local_after_epochs=1))
+    with pytest.raises(ValueError, match="the central loop is unstable"):
+        use_sma(model, strategy, algorithm=SMA(alpha=1.0))   # 2 x 1.0 >= 1.9 x 1.0
+    with pytest.raises(ValueError, match="set them in the rule"):
+        use_sma(model, strategy, algorithm=SMA(), alpha=0.1)

@@ -136,6 +136,10 @@ class SMA:
         object.__setattr__(resolved, "num_learners", num_learners)
         return resolved
 
+    @property
+    def synchronisation_period(self):
+        return self.sync_period
+
     def synchronises(self, iteration, iterations_per_epoch=None):
         return _every(self.sync_period, iteration)
 
@@ -177,6 +181,8 @@ class SynchronousSGD:
 
     def resolve(self, num_learners):
         return self
+
+    synchronisation_period = 1
 
     def synchronises(self, iteration, iterations_per_epoch=None):
         return True
@@ -224,6 +230,10 @@ class ElasticAveragingSGD:
         alpha = 0.9 / num_learners if self.alpha is None else self.alpha
         check_central_loop("EASGD", alpha, None, 0.0, num_learners, self.allow_unstable)
         return dataclasses.replace(self, alpha=alpha)
+
+    @property
+    def synchronisation_period(self):
+        return self.sync_period
 
     def synchronises(self, iteration, iterations_per_epoch=None):
         return _every(self.sync_period, iteration)
@@ -289,6 +299,11 @@ class LocalSGD:
         resolved = dataclasses.replace(self)
         object.__setattr__(resolved, "num_learners", num_learners)
         return resolved
+
+    @property
+    def synchronisation_period(self):
+        """H once local steps have begun (after local_after_epochs)."""
+        return self.period
 
     def synchronises(self, iteration, iterations_per_epoch=None):
         if self.local_after_epochs:

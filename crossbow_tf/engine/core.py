@@ -199,6 +199,18 @@ class Engine:
         """Whether ITERATION (counted from 0 in the run) is a synchronising one for the rule."""
         return self.algorithm.synchronises(iteration, self.iterations_per_epoch)
 
+    def step_at(self, iteration, x, y, mask, lr, total_count=None):
+        """The compiled step of ITERATION, a tensor (inside a tf.function such as Keras's train
+        function): the synchronising step, or for a rule with a period H > 1 a tf.cond between it and
+        the local step, on (ITERATION + 1) % H == 0. Only the branch taken runs, so a local iteration
+        runs no collective."""
+        period = self.algorithm.synchronisation_period
+        if period == 1:
+            return self._step(x, y, mask, lr, total_count)
+        synchronises = tf.equal((tf.cast(iteration, tf.int64) + 1) % period, 0)
+        return tf.cond(synchronises, lambda: self._step(x, y, mask, lr, total_count),
+                       lambda: self._local_step(x, y, mask, lr, total_count))
+
     def train_step(self, x, y, mask, lr, total_count=None, iteration=None):
         """One iteration on a global batch of k*b examples cut into k consecutive slices of b.
 

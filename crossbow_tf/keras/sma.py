@@ -7,6 +7,7 @@ holds the central model z after every step, so Keras's evaluate, predict, save, 
 callbacks all see z without knowing about learners.
 """
 import contextlib
+import dataclasses
 import math
 import os
 import warnings
@@ -17,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, SynchronousSGD
+from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD
 from crossbow_tf.distribute.strategy import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
 from crossbow_tf.engine.replicated import ReplicatedLearners
@@ -34,16 +35,45 @@ _UNSUPPORTED_OPTIMIZER_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "g
                                   "loss_scale_factor", "use_ema")
 
 
+def _rule_name(algorithm):
+    return algorithm if isinstance(algorithm, str) else type(algorithm).__name__
+
+
+def _with_learner_optimizer(rule, momentum, weight_decay, alpha, central_momentum):
+    """RULE (an instance) with the compiled optimizer's momentum and weight decay: the compiled
+    optimizer is the learners' optimizer, so a rule may not say otherwise."""
+    name = type(rule).__name__
+    if alpha is not None or central_momentum is not None:
+        raise ValueError(f"alpha and central_momentum are {name}'s own parameters: set them in the rule "
+                         f"({name}(alpha=...)), not in use_sma")
+    defaults = {f.name: f.default for f in dataclasses.fields(rule)}
+    for field, value in (("momentum", momentum), ("weight_decay", weight_decay)):
+        own = getattr(rule, field)
+        if own != defaults[field] and own != value:
+            raise ValueError(f"{name}({field}={own}) conflicts with the compiled optimizer's {field}={value}: "
+                             "the learners' momentum and weight decay come from the compiled optimizer")
+    if getattr(rule, "local_after_epochs", None):
+        raise ValueError(f"{name}(local_after_epochs=...) is not supported by fit (it counts iterations, not "
+                         "epochs): use period alone, or crossbow_tf.run")
+    return dataclasses.replace(rule, momentum=momentum, weight_decay=weight_decay)
+
+
 def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None):
-    """The update rule for ALGORITHM with the learner momentum and weight decay of a Keras SGD."""
-    if algorithm not in ALGORITHMS:
+    """The update rule for ALGORITHM (a name in ALGORITHMS, or a rule instance such as
+    ``SMA(central_step=2.0, sync_period=4)``) with the learner momentum and weight decay of a Keras SGD."""
+    is_rule = not isinstance(algorithm, str)
+    if is_rule and not (dataclasses.is_dataclass(algorithm) and hasattr(algorithm, "resolve")
+                        and hasattr(algorithm, "local")):
+        raise ValueError(f"algorithm must be a name ({', '.join(ALGORITHMS)}) or an update rule such as "
+                         f"crossbow_tf.algorithms.SMA(), got {algorithm!r}")
+    if not is_rule and algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     if optimizer is None:
         raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
                          "loss=...) first")
     if type(optimizer) is not keras.optimizers.SGD:
         raise ValueError(
-            f"{algorithm.upper()} needs the model compiled with keras.optimizers.SGD (it supplies the learning "
+            f"{_rule_name(algorithm).upper()} needs the model compiled with keras.optimizers.SGD (it supplies the learning "
             f"rate and the learner momentum); {type(optimizer).__name__} is not SMA-capable because its update "
             "rule is not the momentum SGD that SMA's learners run")
     for option in _UNSUPPORTED_OPTIMIZER_OPTIONS:
@@ -64,6 +94,8 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
         raise ValueError(f"weight_decay={weight_decay} conflicts with the optimizer's "
                          f"SGD(weight_decay={sgd_decay}); set it in one place")
     weight_decay = float(weight_decay)
+    if is_rule:
+        return _with_learner_optimizer(algorithm, momentum, weight_decay, alpha, central_momentum)
     if algorithm == "sma":
         return SMA(alpha=alpha, momentum=momentum,
                    central_momentum=0.9 if central_momentum is None else float(central_momentum),
@@ -74,6 +106,11 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
         if alpha is not None:
             raise ValueError("alpha applies to SMA and EASGD, not to synchronous SGD")
         return SynchronousSGD(momentum=momentum, weight_decay=weight_decay)
+    if algorithm == "localsgd":
+        if alpha is not None:
+            raise ValueError("alpha applies to SMA and EASGD, not to local SGD: pass "
+                             "algorithm=LocalSGD(period=..., outer_learning_rate=...) for its own parameters")
+        return LocalSGD(momentum=momentum, weight_decay=weight_decay)
     return ElasticAveragingSGD(alpha=alpha, momentum=momentum, weight_decay=weight_decay)
 
 
@@ -125,7 +162,11 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
         is built on the first batch of its first ``fit``, as Keras builds it.
       strategy: a CrossbowStrategy (devices x learners per device); default: one learner per device
         of ``CrossbowStrategy()``.
-      algorithm: "sma" (default), "ssgd" (Crossbow's synchronous SGD) or "easgd" (elastic averaging).
+      algorithm: "sma" (default), "ssgd" (Crossbow's synchronous SGD), "easgd" (elastic averaging),
+        "localsgd" (local SGD, averaging every iteration), or a rule instance with its own parameters:
+        ``SMA(alpha=0.3, central_step=2.0, sync_period=4)``, ``LocalSGD(period=8, outer_learning_rate=0.7,
+        outer_momentum=0.9, nesterov=True)``. The learners' momentum and weight decay are always the
+        compiled SGD's.
       alpha: SMA/EASGD correction factor; None means 1/k (SMA) or 0.9/k (EASGD).
       central_momentum: mu_z of SMA; None means 0.9.
       weight_decay: lambda, added to every gradient as lambda*w; None takes SGD(weight_decay=...).
@@ -301,7 +342,8 @@ class CrossbowTraining:
         if self.reset_on_lr_drop:
             tf.cond(lr < self.previous_lr, self._reset_learners, lambda: tf.constant(False))
         self.previous_lr.assign(lr)
-        loss, predictions = self.engine._step(x_in, y_in, mask, lr)
+        # The iteration decides whether this step synchronises (a rule with a period > 1).
+        loss, predictions = self.engine.step_at(model.optimizer.iterations, x_in, y_in, mask, lr)
         self.engine.write_center_to_model()
         model.optimizer.iterations.assign_add(1)
 
