@@ -1,7 +1,8 @@
 """python -m baselines.tf_ssgd --config FILE: stock TensorFlow synchronous SGD, as users run it.
 
 ``tf.distribute.MirroredStrategy`` over the chosen devices (plain single-device Keras when there is
-one), ``model.compile``/``model.fit`` with the stock ``keras.optimizers.SGD(momentum)``; the global
+one), ``model.compile``/``model.fit`` with the stock ``keras.optimizers.SGD(momentum)`` (or the YAML's
+``optimizer:``, the Keras optimizer the engine's learners take too); the global
 batch is ``batch_size`` per device times the devices. Nothing of crossbow's engine, strategy or
 algorithms takes part: this module imports only crossbow_tf.config, .data, .models, .results,
 .tensorboard (and .errors, which config raises). It reads the same experiment YAML as ``python -m crossbow_tf.run``;
@@ -131,6 +132,25 @@ def make_schedule(cfg, opts, global_batch, per_epoch):
                          round(lr.warmup_epochs * per_epoch), start), scale
 
 
+def stock_optimizer(cfg, schedule):
+    """The Keras optimizer CFG's runs use, at SCHEDULE: its ``optimizer:`` (the same one the engine's
+    learners take, so a comparison with Adam is like for like), else SGD with algorithm.momentum
+    and algorithm.weight_decay."""
+    import keras
+    from crossbow_tf.config import build_keras_optimizer
+    if cfg.optimizer is not None:
+        return build_keras_optimizer(cfg.optimizer, schedule)
+    return keras.optimizers.SGD(learning_rate=schedule, momentum=cfg.algorithm.momentum,
+                                weight_decay=cfg.algorithm.weight_decay or None)
+
+
+def describe_optimizer(cfg):
+    if cfg.optimizer is None:
+        return f"SGD(momentum={cfg.algorithm.momentum})"
+    arguments = ", ".join(f"{k}={v!r}" for k, v in cfg.optimizer.items() if k != "name")
+    return f"{cfg.optimizer['name']}({arguments})"
+
+
 def _drop_padding(x, y, mask):
     import tensorflow as tf
     keep = mask > 0
@@ -254,8 +274,7 @@ def train(cfg, opts, log=print):
     keras.utils.set_random_seed(cfg.seed)   # as crossbow's runs: same seed, same initial weights and orders
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = build_model(cfg.model, data.input_shape, data.num_classes)
-        optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=cfg.algorithm.momentum,
-                                         weight_decay=cfg.algorithm.weight_decay or None)
+        optimizer = stock_optimizer(cfg, schedule)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
@@ -268,7 +287,7 @@ def train(cfg, opts, log=print):
     kind = (f"MirroredStrategy over {replicas} devices ({type(ops).__name__ if ops else 'default reduction'})"
             if strategy is not None else f"one device, no strategy ({devices[0]})")
     log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
-        f"stock TensorFlow S-SGD: {kind}, Keras fit + SGD(momentum={cfg.algorithm.momentum}), "
+        f"stock TensorFlow S-SGD: {kind}, Keras fit + {describe_optimizer(cfg)}, "
         f"batch {cfg.batch_size} per device (global {global_batch}), peak lr {schedule.peak:.4g}"
         f"{f' (linear scaling x{scale:.3g})' if opts['lr_scaling'] == 'linear' else ''}, "
         f"{per_epoch} iterations per epoch, input {opts['input']}")

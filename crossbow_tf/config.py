@@ -94,6 +94,9 @@ class ExperimentConfig:
     autotune: AutotuneConfig = dataclasses.field(default_factory=AutotuneConfig)
     batch_size: int = 16                     # b: the batch of one learner
     learning_rate: LearningRateConfig = dataclasses.field(default_factory=LearningRateConfig)
+    # The learners' Keras optimizer, {name: adam, beta_1: 0.9, ...} (keras.optimizers.get's names and the
+    # optimizer's own arguments; the rate is learning_rate's). null: momentum SGD with algorithm.momentum.
+    optimizer: typing.Optional[typing.Dict[str, typing.Any]] = None
     epochs: int = 10
     target_accuracy: typing.Optional[float] = None
     stop_at_target: bool = True
@@ -134,6 +137,12 @@ def _check_type(path, value, annotation):
         return [_check_type(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(annotation):
         return _build(annotation, value, path)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigTypeError(f"{path}: expected a mapping, got {value!r}")
+        return {k: _check_type(f"{path}.{k}", v, args[1]) for k, v in value.items()}
+    if annotation is typing.Any:
+        return value
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigTypeError(f"{path}: expected a number, got {value!r}")
@@ -203,6 +212,49 @@ def _validate_algorithm(a):
          f"algorithm.local_after_epochs: must not be negative, got {a.local_after_epochs}")
 
 
+# keras.optimizers.get's names of the optimizers the learners (and the baselines) can take, and those
+# refused, with the reason (crossbow_tf.engine.optimizers says the same once Keras is loaded).
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax", "nadam", "lion", "ftrl")
+REFUSED_OPTIMIZERS = {"lamb": "its layer-wise trust ratio is a norm over a whole weight tensor",
+                      "adafactor": "it factors its second moments over a whole weight tensor",
+                      "muon": "it orthogonalises whole weight matrices"}
+# Arguments of the optimizer that other keys set.
+OPTIMIZER_SET_ELSEWHERE = {"learning_rate": "the learning rate and its schedule are learning_rate's (base, drops, warm-up)"}
+
+
+def _validate_optimizer(c):
+    spec = c.optimizer
+    if spec is None:
+        return
+    name = spec.get("name")
+    if not isinstance(name, str):
+        raise ConfigError(f"optimizer.name: give the optimizer's name (one of {', '.join(OPTIMIZER_NAMES)}), "
+                          f"got {name!r}")
+    if name.lower() in REFUSED_OPTIMIZERS:
+        raise ConfigError(f"optimizer.name: {name} cannot be the learners' optimizer: "
+                          f"{REFUSED_OPTIMIZERS[name.lower()]}, which over the stacked learners would mix them")
+    if name.lower() not in OPTIMIZER_NAMES:
+        raise ConfigError(f"optimizer.name: unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
+    for key in spec:
+        if key in OPTIMIZER_SET_ELSEWHERE:
+            raise ConfigError(f"optimizer.{key}: {OPTIMIZER_SET_ELSEWHERE[key]}, not the optimizer's")
+    if name.lower() != "sgd" and c.algorithm.weight_decay:
+        raise ConfigError(f"algorithm.weight_decay: is the L2 term of the default momentum-SGD learners; "
+                          f"{name} takes its own step: give optimizer.weight_decay instead")
+
+
+def build_keras_optimizer(spec, learning_rate):
+    """The Keras optimizer of an ``optimizer:`` mapping SPEC (validated) at LEARNING_RATE (a number or
+    a Keras schedule); ConfigError names an argument the optimizer does not take."""
+    import keras
+    arguments = {k: v for k, v in spec.items() if k != "name"}
+    cls = type(keras.optimizers.get(spec["name"].lower()))
+    try:
+        return cls(learning_rate=learning_rate, **arguments)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizer: {cls.__name__} refuses {arguments} ({str(e).splitlines()[0]})") from None
+
+
 def expected_learners(c):
     """k as the config alone gives it (one worker, devices.logical_cpu devices of learners_per_device
     learners), or None when it depends on the machine (learners_per_device auto, no logical_cpu)."""
@@ -234,6 +286,7 @@ def _validate(c):
     need(c.algorithm.name in ALGORITHM_NAMES,
          f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose {', '.join(ALGORITHM_NAMES)}")
     _validate_algorithm(c.algorithm)
+    _validate_optimizer(c)
     need(c.learners in ("auto", "fused", "replicated"),
          f"learners: unknown {c.learners!r}; choose auto, fused or replicated")
     need(c.learners_per_device == "auto"

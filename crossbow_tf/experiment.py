@@ -16,7 +16,41 @@ def make_algorithm(cfg):
     cls = ALGORITHMS[a.name]
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     kwargs = {k: v for k, v in dataclasses.asdict(a).items() if k in fields and v is not None}
+    if cfg.optimizer is not None:
+        kwargs.update(_rule_momentum_and_decay(cfg, _keras_optimizer(cfg)))
     return cls(**kwargs)
+
+
+def _keras_optimizer(cfg):
+    from crossbow_tf.config import build_keras_optimizer
+    return build_keras_optimizer(cfg.optimizer, cfg.learning_rate.base)
+
+
+def _rule_momentum_and_decay(cfg, optimizer):
+    """The rule's learner momentum and weight decay under CFG's ``optimizer:``: a plain momentum SGD's
+    own (its weight decay as the rule's L2 term, Crossbow's form); none for any other optimizer,
+    whose own step the learners take."""
+    from crossbow_tf.engine.optimizers import is_momentum_sgd
+    if not is_momentum_sgd(optimizer):
+        return dict(momentum=0.0, weight_decay=0.0)
+    own, rule = float(optimizer.weight_decay or 0.0), cfg.algorithm.weight_decay
+    if own and rule and own != rule:
+        raise ConfigError(f"optimizer.weight_decay: {own} conflicts with algorithm.weight_decay {rule}; "
+                          "set it in one place")
+    return dict(momentum=float(optimizer.momentum), weight_decay=own or rule)
+
+
+def make_optimizer(cfg):
+    """The engine's ``optimizer=`` for CFG: None for the default and for a plain momentum SGD (the
+    rule's fused update runs them, see make_algorithm), else the Keras optimizer whose own step the
+    learners take (its rate is replaced every iteration by the learning-rate schedule's)."""
+    if cfg.optimizer is None:
+        return None
+    from crossbow_tf.engine.optimizers import learner_optimizer
+    try:
+        return learner_optimizer(_keras_optimizer(cfg))
+    except ValueError as e:
+        raise ConfigError(f"optimizer: {e}") from None
 
 
 def make_devices(cfg, cluster=None):
@@ -154,7 +188,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     check_fits_data(cfg, learners=True, train_size=data.train.size, devices=len(devices))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
-    engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners)   # the tuner measures the Engine that will train
+    engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners,
+                         optimizer=make_optimizer(cfg))   # the tuner measures the Engine that will train
     tuning, learners_per_device = None, None
     if resume_point is not None:
         learners_per_device = resume_point[1]["learners_per_device"]   # the tuner's choice is kept

@@ -123,3 +123,112 @@ def run_reference(algorithm, params0, x, y, k, b, iterations, base_lr, drops=(),
             else:
                 z[i] = z[i] + total
     return z, w
+
+
+# --- Keras optimizers for the learners, transcribed from the equations in Keras's documentation ----
+# Keras's order in one step: clip the gradients (by each tensor's norm, or by their global norm),
+# decoupled weight decay w = w - lr*wd*w, then the optimizer's update with t = steps taken so far.
+
+def _clip(grads, clipnorm=None, global_clipnorm=None):
+    if clipnorm:
+        return [g * clipnorm / max(np.sqrt((g ** 2).sum()), clipnorm) for g in grads]
+    if global_clipnorm:
+        norm = np.sqrt(sum((g ** 2).sum() for g in grads))
+        return [g * global_clipnorm / max(norm, global_clipnorm) for g in grads]
+    return grads
+
+
+class NumpyAdam:
+    """Adam (Kingma & Ba) as Keras writes it: m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
+    w = w - lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v) + eps), t counting from 1; WEIGHT_DECAY makes it
+    AdamW (Loshchilov & Hutter: w = w - lr*wd*w first)."""
+
+    def __init__(self, beta_1=0.9, beta_2=0.999, epsilon=1e-7, weight_decay=None, clipnorm=None, global_clipnorm=None):
+        self.beta_1, self.beta_2, self.epsilon, self.weight_decay = beta_1, beta_2, epsilon, weight_decay
+        self.clipnorm, self.global_clipnorm = clipnorm, global_clipnorm
+
+    def init(self, params):
+        return {"t": 0, "m": [np.zeros_like(p) for p in params], "v": [np.zeros_like(p) for p in params]}
+
+    def step(self, params, grads, state, lr):
+        grads = _clip(grads, self.clipnorm, self.global_clipnorm)
+        t = state["t"] + 1
+        out = []
+        for i, (w, g) in enumerate(zip(params, grads)):
+            if self.weight_decay:
+                w = w - lr * self.weight_decay * w
+            state["m"][i] = self.beta_1 * state["m"][i] + (1 - self.beta_1) * g
+            state["v"][i] = self.beta_2 * state["v"][i] + (1 - self.beta_2) * g ** 2
+            rate = lr * np.sqrt(1 - self.beta_2 ** t) / (1 - self.beta_1 ** t)
+            out.append(w - rate * state["m"][i] / (np.sqrt(state["v"][i]) + self.epsilon))
+        state["t"] = t
+        return out
+
+
+class NumpyRMSprop:
+    """RMSprop as Keras writes it: v = rho*v + (1-rho)*g^2 (centered: also a = rho*a + (1-rho)*g and
+    v - a^2 in the denominator); step = lr*g/sqrt(v + eps); with MOMENTUM mu: s = mu*s + step, w = w - s."""
+
+    def __init__(self, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False):
+        self.rho, self.momentum, self.epsilon, self.centered = rho, momentum, epsilon, centered
+
+    def init(self, params):
+        zeros = lambda: [np.zeros_like(p) for p in params]  # noqa: E731
+        return {"v": zeros(), "a": zeros(), "s": zeros()}
+
+    def step(self, params, grads, state, lr):
+        out = []
+        for i, (w, g) in enumerate(zip(params, grads)):
+            state["v"][i] = self.rho * state["v"][i] + (1 - self.rho) * g ** 2
+            denominator = state["v"][i]
+            if self.centered:
+                state["a"][i] = self.rho * state["a"][i] + (1 - self.rho) * g
+                denominator = denominator - state["a"][i] ** 2
+            step = lr * g / np.sqrt(denominator + self.epsilon)
+            if self.momentum:
+                state["s"][i] = self.momentum * state["s"][i] + step
+                step = state["s"][i]
+            out.append(w - step)
+        return out
+
+
+def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iterations, base_lr, drops=(), factor=0.1,
+                            mu_z=0.9, alpha=None, period=1, outer_lr=1.0, outer_mu=0.0, nesterov=False):
+    """As run_reference, with every learner taking OPTIMIZER's step (its own state, kept across
+    SMA's resets at a drop) in place of the momentum step. SMA: s = w; w = step(w); w = w - alpha*(s - z);
+    u = mu_z*u + sum_j alpha*(s_j - z); z = z + u. Local SGD: as run_reference's. Returns (z, learners)."""
+    n = len(y)
+    per_epoch = -(-n // (k * b))
+    z = [p.astype(np.float64).copy() for p in params0]
+    u = [np.zeros_like(p) for p in z]
+    w = [[p.copy() for p in z] for _ in range(k)]
+    states = [optimizer.init(z) for _ in range(k)]
+    alpha = 1.0 / k if alpha is None else alpha
+    for t in range(iterations):
+        lr = lr_at(t, base_lr, drops, factor)
+        if algorithm == "sma" and t > 0 and lr < lr_at(t - 1, base_lr, drops, factor):
+            w = [[p.copy() for p in z] for _ in range(k)]
+        synchronising = (t + 1) % period == 0
+        totals = [np.zeros_like(p) for p in z]
+        for j, s in enumerate(learner_slices(n, k, b, t % per_epoch)):
+            _, g = mlp_loss_grads(w[j], x[s], y[s])
+            before = w[j]
+            w[j] = optimizer.step(before, g, states[j], lr)
+            if algorithm == "sma" and synchronising:
+                for i in range(len(z)):
+                    delta = alpha * (before[i] - z[i])
+                    w[j][i] = w[j][i] - delta
+                    totals[i] += delta
+        if not synchronising:
+            continue
+        for i in range(len(z)):
+            if algorithm == "sma":
+                u[i] = mu_z * u[i] + totals[i]
+                z[i] = z[i] + u[i]
+            else:  # localsgd
+                g_o = z[i] - sum(w[j][i] for j in range(k)) / k
+                u[i] = outer_mu * u[i] + g_o
+                z[i] = z[i] - outer_lr * ((g_o + outer_mu * u[i]) if nesterov else u[i])
+        if algorithm == "localsgd":
+            w = [[p.copy() for p in z] for _ in range(k)]
+    return z, w

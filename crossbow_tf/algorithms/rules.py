@@ -10,6 +10,11 @@ Each algorithm splits one iteration in two halves that the engine places:
 - ``central(z, u, total, lr)`` applies the summed contributions to the central model z and its
   velocity u, identically on every device's copy.
 
+With a Keras optimizer for the learners (crossbow_tf.engine.optimizers), the engine takes the
+optimizer's own step and the rule adds the rest: ``correct(w, stepped, z, share)`` gets each
+learner's weights before the step (W) and after it (STEPPED) and returns its new weights and its
+contribution, as ``local`` does around its momentum step.
+
 Averaging rules may synchronise only every H-th iteration (``synchronises``); the learners' own
 step of the other iterations is ``learner_step(w, v, g, lr)``, with no contribution and no z. Which
 of the two an iteration runs is the engine's choice (two compiled steps), never a branch in a rule.
@@ -151,6 +156,12 @@ class SMA:
         contribution = delta if self.central_step is None else (self.central_step / self.num_learners) * difference
         return w + v - delta, v, contribution
 
+    def correct(self, w, stepped, z, share=None):
+        difference = w - z
+        delta = self.alpha * difference
+        contribution = delta if self.central_step is None else (self.central_step / self.num_learners) * difference
+        return stepped - delta, contribution
+
     def learner_step(self, w, v, g, lr):
         return _learner_step(self.momentum, self.weight_decay, w, v, g, lr)
 
@@ -243,6 +254,10 @@ class ElasticAveragingSGD:
         v = _velocity(self.momentum, v, lr, g, self.weight_decay, w)
         return w + v - delta, v, delta
 
+    def correct(self, w, stepped, z, share=None):
+        delta = self.alpha * (w - z)
+        return stepped - delta, delta
+
     def learner_step(self, w, v, g, lr):
         return _learner_step(self.momentum, self.weight_decay, w, v, g, lr)
 
@@ -318,6 +333,9 @@ class LocalSGD:
         w, v = self.learner_step(w, v, g, lr)
         # Each learner's share of the outer gradient g_o = mean_j (z - w_j).
         return w, v, (z - w) / self.num_learners
+
+    def correct(self, w, stepped, z, share=None):
+        return stepped, (z - stepped) / self.num_learners
 
     def learner_step(self, w, v, g, lr):
         return _learner_step(self.momentum, self.weight_decay, w, v, g, lr)

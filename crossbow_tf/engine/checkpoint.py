@@ -4,7 +4,8 @@ A checkpoint is a ``tf.train.Checkpoint`` written by a ``tf.train.CheckpointMana
 writes it under temporary names and renames it into place, then updates the directory's index, so
 a killed process leaves the previous checkpoints intact; ``max_to_keep`` bounds the directory).
 It holds every device's learners (weights, velocities and non-trainable state: BatchNorm
-statistics, the seed state Dropout draws its masks from), z and u, and one JSON record: the
+statistics, the seed state Dropout draws its masks from; with a Keras optimizer for the learners,
+its step count and its slots, stacked per learner), z and u, and one JSON record: the
 configuration, the progress (``Progress``), the learners per device the run uses (the auto-tuner's
 choice, so a resumed run does not re-tune) and the results so far (the tuner's curve among them).
 
@@ -136,6 +137,9 @@ class Checkpoints:
         self.writes = self.cluster is None or self.cluster.is_chief
         e = engine
         groups = dict(weights=e.weights, velocities=e.velocities, states=e.states)   # each a list over devices
+        if e.optimizers is not None:
+            # The Keras optimizer's step count and slots, stacked per learner like the weights.
+            groups["optimizer_states"] = e.optimizer_states
         # This worker's learner variables, in one fixed order (the order of the gather).
         self._local = [v for group in groups.values() for device in group for v in device]
         self._others = []   # on the chief: per other worker, variables mirroring its learners

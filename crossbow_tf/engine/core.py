@@ -9,6 +9,7 @@ import tensorflow as tf
 from crossbow_tf.distribute.cross_worker import CrossWorkerReduction
 from crossbow_tf.distribute.reduce import all_reduce_sum
 from crossbow_tf.engine.fused import make_learners
+from crossbow_tf.engine.optimizers import StackedOptimizers, check_learner_optimizer
 
 # Seeds of per-learner random state (Dropout) differ by this odd stride so that no two learners
 # draw the same masks.
@@ -96,11 +97,16 @@ class Engine:
     """
 
     def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True,
-                 reset_on_lr_drop=True):
+                 reset_on_lr_drop=True, optimizer=None):
         """RESET_ON_LR_DROP: ``train_step`` restarts every learner from z when its learning rate is
         lower than the previous call's (Crossbow's rule for step schedules; SMA only). Pass False
         for a smoothly decaying rate, which falls at every step, and call ``reset_learners()`` at
-        your own step boundaries."""
+        your own step boundaries.
+
+        OPTIMIZER: a Keras optimizer (elementwise: Adam, AdamW, RMSprop, Nesterov SGD, ...) whose own
+        step the learners take, each with its own state, instead of the rule's momentum step (the
+        rule's correction follows it; for S-SGD it is z's optimizer). Its learning rate is
+        ``train_step``'s. None (default): the rule's own fused momentum SGD."""
         from crossbow_tf.distribute.strategy import CrossbowStrategy
         if not isinstance(model, keras.Model):
             raise TypeError(f"Engine: model must be a keras.Model, got {type(model).__name__}")
@@ -115,6 +121,15 @@ class Engine:
             raise TypeError(f"Engine: reset_on_lr_drop must be True or False, got {reset_on_lr_drop!r}")
         if not model.built:
             raise ValueError(f"model {model.name!r} is not built: give it an Input or call build() first")
+        if optimizer is not None:
+            check_learner_optimizer(optimizer)
+            if getattr(algorithm, "weight_decay", 0):
+                raise ValueError(f"Engine: with a Keras optimizer the learners take its step, not the rule's: give "
+                                 f"{type(optimizer).__name__} its own weight_decay instead of the rule's "
+                                 f"weight_decay={algorithm.weight_decay}")
+            if not algorithm.gradient_at_center and not hasattr(algorithm, "correct"):
+                raise ValueError(f"Engine: {type(algorithm).__name__} has no correct() to follow a Keras "
+                                 "optimizer's step")
         self.model = model
         self.strategy = strategy
         self.algorithm = algorithm.resolve(strategy.num_learners)
@@ -136,7 +151,7 @@ class Engine:
         self.center, self.center_velocity, self.center_states = [], [], []
         learner_weights = not self.algorithm.gradient_at_center
         # Without learner momentum the velocities would only be written, never read: not kept.
-        keeps_velocity = learner_weights and self.algorithm.keeps_learner_velocity
+        keeps_velocity = learner_weights and self.algorithm.keeps_learner_velocity and optimizer is None
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
                 self.center.append([tf.Variable(w, name="z") for w in trainable])
@@ -149,6 +164,11 @@ class Engine:
                         if keeps_velocity else [])
                 self.states.append([tf.Variable(self._learner_states(s, is_float, d), name="state")
                                     for s, is_float in zip(states, self._float_state)])
+        # The learners' (or, for S-SGD, z's) Keras optimizer, one clone per device on its stacks.
+        self.optimizers = None
+        if optimizer is not None:
+            self.optimizers = StackedOptimizers(optimizer, self.weights if learner_weights else self.center,
+                                                strategy.devices, model.trainable_variables, stacked=learner_weights)
         # The learners' update touches every learner's copy of every weight several times and is
         # memory-bound; compiling it with XLA fuses those passes (tools/ab_step.py, LeNet with 8
         # learners: 24.6 instead of 29.3 ms per iteration). The central update touches one copy: compiling
@@ -410,6 +430,9 @@ class Engine:
 
     def step_learners(self, d, grads, lr):
         """The learners' own steps on device D (inside a tf.function), group by group."""
+        if self.optimizers is not None:
+            self.optimizers.apply(d, grads, lr)
+            return
         for group in self._update_groups:
             weights = [self.weights[d][i] for i in group]
             velocities = [self.velocities[d][i] for i in group] if self.velocities[d] else []
@@ -424,6 +447,8 @@ class Engine:
     def update_learners(self, d, grads, lr, shares):
         """Applies the learners' rule on device D (inside a tf.function); returns the sums of the
         learners' contributions, one per weight."""
+        if self.optimizers is not None:
+            return self._optimizer_update(d, grads, lr, shares)
         sums = [None] * len(grads)
         for group in self._update_groups:
             def pick(values):
@@ -436,6 +461,24 @@ class Engine:
             for i, total in zip(group, group_sums):
                 sums[i] = total
         return sums
+
+    def _optimizer_update(self, d, grads, lr, shares):
+        """The Keras optimizer's step on device D's learners, then the rule's correction of it."""
+        before = [w.read_value() for w in self.weights[d]]
+        self.optimizers.apply(d, grads, lr)
+        sums = []
+        for w, s, z, share in zip(self.weights[d], before, self.center[d], shares):
+            new_w, contribution = self.algorithm.correct(s, w.read_value(), z, share)
+            w.assign(new_w)
+            sums.append(tf.reduce_sum(contribution, axis=0))
+        return sums
+
+    @property
+    def optimizer_states(self):
+        """Per device, the variables of its optimizer clone (empty lists without a Keras optimizer)."""
+        if self.optimizers is None:
+            return [[] for _ in self.strategy.devices]
+        return [self.optimizers.state(d) for d in range(self.strategy.num_devices)]
 
     def vote_stop(self):
         """On several workers: asks every worker to stop after the next step (this worker received
@@ -460,6 +503,8 @@ class Engine:
             stacks = [s for s, f in zip(self.states[d], self._float_state) if f]
             if self.weights:
                 stacks += self.weights[d] + self.velocities[d]
+                # The optimizer's slots are stacks too; its step count and rate are scalars.
+                stacks += [v for v in self.optimizer_states[d] if v.shape.rank and v.dtype.is_floating]
             for stack in stacks:
                 values = stack.numpy()
                 finite &= np.isfinite(values.reshape(m, -1)).all(axis=1)
@@ -468,6 +513,10 @@ class Engine:
 
     def update_center(self, d, totals, lr):
         """Applies the summed contributions TOTALS to device D's copy of z (inside a tf.function)."""
+        if self.optimizers is not None and self.algorithm.gradient_at_center:
+            # S-SGD: TOTALS is the iteration's gradient at z; z takes the optimizer's step with it.
+            self.optimizers.apply(d, totals, lr)
+            return
         new_center, new_center_velocity = self._central_update(
             self.center[d], self.center_velocity[d], totals, lr)
         for variable, value in zip(self.center[d] + self.center_velocity[d], new_center + new_center_velocity):

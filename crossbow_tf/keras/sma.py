@@ -21,6 +21,7 @@ from keras import tree
 from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD
 from crossbow_tf.distribute.strategy import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
+from crossbow_tf.engine.optimizers import is_momentum_sgd, learner_optimizer
 from crossbow_tf.engine.replicated import ReplicatedLearners
 from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
@@ -30,13 +31,6 @@ ALGORITHMS = ("sma", "ssgd", "easgd")
 STATE_SUFFIX = ".crossbow.npz"
 _ATTRIBUTE = "_crossbow_training"
 _PATCHED = ("fit", "train_step", "train_on_batch", "make_train_function", "save_weights", "load_weights")
-# Keras optimizer features that change the update in ways the SMA rules do not express.
-_UNSUPPORTED_OPTIMIZER_OPTIONS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps",
-                                  "loss_scale_factor", "use_ema")
-
-
-def _rule_name(algorithm):
-    return algorithm if isinstance(algorithm, str) else type(algorithm).__name__
 
 
 def _with_learner_optimizer(rule, momentum, weight_decay, alpha, central_momentum):
@@ -71,28 +65,21 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
     if optimizer is None:
         raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
                          "loss=...) first")
-    if type(optimizer) is not keras.optimizers.SGD:
-        raise ValueError(
-            f"{_rule_name(algorithm).upper()} needs the model compiled with keras.optimizers.SGD (it supplies the learning "
-            f"rate and the learner momentum); {type(optimizer).__name__} is not SMA-capable because its update "
-            "rule is not the momentum SGD that SMA's learners run")
-    for option in _UNSUPPORTED_OPTIMIZER_OPTIONS:
-        if getattr(optimizer, option, None):
-            raise ValueError(f"SGD({option}={getattr(optimizer, option)!r}) is not supported by Crossbow "
-                             "training; remove the option")
-    if optimizer.nesterov:
-        raise ValueError("SGD(nesterov=True) is not supported by Crossbow training: its learners use plain momentum")
-    if getattr(optimizer, "_exclude_from_weight_decay", None) or \
-            getattr(optimizer, "_exclude_from_weight_decay_pattern", None):
-        raise ValueError("SGD.exclude_from_weight_decay() is not supported: the weight decay applies to "
-                         "every trainable weight")
-    momentum = float(optimizer.momentum)
-    sgd_decay = float(optimizer.weight_decay or 0.0)
-    if weight_decay is None:
-        weight_decay = sgd_decay
-    elif sgd_decay and float(weight_decay) != sgd_decay:
-        raise ValueError(f"weight_decay={weight_decay} conflicts with the optimizer's "
-                         f"SGD(weight_decay={sgd_decay}); set it in one place")
+    if is_momentum_sgd(optimizer):
+        momentum = float(optimizer.momentum)
+        sgd_decay = float(optimizer.weight_decay or 0.0)
+        if weight_decay is None:
+            weight_decay = sgd_decay
+        elif sgd_decay and float(weight_decay) != sgd_decay:
+            raise ValueError(f"weight_decay={weight_decay} conflicts with the optimizer's "
+                             f"SGD(weight_decay={sgd_decay}); set it in one place")
+    else:
+        # Any other elementwise Keras optimizer is the learners' own step; the rule only corrects it.
+        learner_optimizer(optimizer)   # refuses one that cannot run per learner, saying why
+        if weight_decay is not None:
+            raise ValueError(f"use_sma(weight_decay=...) is the L2 term of momentum-SGD learners; the learners "
+                             f"take {type(optimizer).__name__}'s own step: give it its weight_decay instead")
+        momentum, weight_decay = 0.0, 0.0
     weight_decay = float(weight_decay)
     if is_rule:
         return _with_learner_optimizer(algorithm, momentum, weight_decay, alpha, central_momentum)
@@ -204,7 +191,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
               "Keras's step does not support the engine's cross-device step; use_sma(..., jit_compile=True) "
               "compiles the engine's own step with XLA (slower on CPU)", flush=True)
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
-                                learners=learners, per_learner_batch=per_learner_batch)
+                                learners=learners, per_learner_batch=per_learner_batch,
+                                optimizer=learner_optimizer(model.optimizer))
     setattr(model, _ATTRIBUTE, training)
     for name in _PATCHED:
         setattr(model, name, getattr(training, name))
@@ -246,12 +234,14 @@ class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
     def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None,
-                 per_learner_batch=False):
+                 per_learner_batch=False, optimizer=None):
         self.model = model
         self.strategy = strategy
         self.loss = CompiledLoss(model)
         self.per_learner_batch = per_learner_batch
         self._engine_options = dict(jit_compile=jit_compile, **({} if learners is None else {"learners": learners}))
+        # The learners' Keras optimizer (None: the rule's own momentum SGD, from a plain SGD).
+        self._engine_options["optimizer"] = optimizer
         self.engine = None
         self.algorithm = algorithm.resolve(strategy.num_learners)
         if model.built:
@@ -534,6 +524,8 @@ class CrossbowTraining:
                 if f:
                     engine.center_states[d][i].assign(s)
                     engine.states[d][i].assign(np.stack([s] * m))
+        if engine.optimizers is not None:
+            engine.optimizers.restart()
         self.previous_lr.assign(0.0)
         return True
 
@@ -547,7 +539,7 @@ class CrossbowTraining:
     def state_variables(self):
         """Every variable of the learners and z (all devices), in a fixed order."""
         e = self._require_engine()
-        groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states)
+        groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states, e.optimizer_states)
         return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
 
     def save_state(self, path):

@@ -1,0 +1,130 @@
+"""A Keras optimizer for the learners: its own update on the stacked learner variables.
+
+The engine keeps the m learners of a device as one variable per weight with a leading axis of m.
+An elementwise optimizer (Adam, RMSprop, Nesterov SGD, ...) applied to such a stack is exactly m
+copies of the optimizer, one per learner: its slots are created with the stack's shape, so every
+learner has its own moments, and its update math is Keras's own (``optimizer.apply``), run by a
+per-device clone of the compiled optimizer. Everything that is not elementwise is handled per
+learner here: gradient clipping by norm (``clipnorm``, ``global_clipnorm``) runs on each learner's
+gradients with the compiled optimizer's own clipping function. Optimizers whose update reads a
+whole weight tensor (a layer-wise trust ratio, a factored moment, an orthogonalisation) are refused.
+
+The step count (``iterations``, Adam's bias correction) is the clone's and counts the learners'
+steps, which all learners take together; the learning rate is the one the engine is given each
+iteration (the compiled optimizer's rate or schedule, read by the caller at its own step count),
+written into the clone's learning-rate variable before its update.
+"""
+import keras
+import tensorflow as tf
+
+_optimizers = keras.optimizers
+# Keras optimizers whose update of a weight reads only that weight's own elements.
+ELEMENTWISE = (_optimizers.SGD, _optimizers.Adam, _optimizers.AdamW, _optimizers.RMSprop, _optimizers.Adagrad,
+               _optimizers.Adadelta, _optimizers.Adamax, _optimizers.Nadam, _optimizers.Lion, _optimizers.Ftrl)
+NOT_ELEMENTWISE = {
+    "Lamb": "its layer-wise trust ratio divides by the norm of a whole weight tensor, which over the stacked "
+            "learners would be one norm for all of them",
+    "Adafactor": "it factors its second moments over a weight's last two axes and clips by the RMS of a whole "
+                 "update, which over the stacked learners would mix them",
+    "Muon": "it orthogonalises whole weight matrices, which over the stacked learners would mix them",
+    "LossScaleOptimizer": "it wraps another optimizer for loss scaling, which Crossbow training does not apply",
+}
+# Options of a Keras optimizer that change what one step is in ways the learners cannot follow.
+_REFUSED_OPTIONS = {
+    "use_ema": "the evaluated model is z, the learners' average, not an average over time of one model",
+    "gradient_accumulation_steps": "SMA synchronises the learners every iteration, whether or not the "
+                                   "optimizer steps",
+    "loss_scale_factor": "Crossbow training does not scale its losses",
+}
+_CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
+
+
+def check_learner_optimizer(optimizer):
+    """Raises ValueError naming the reason unless OPTIMIZER can run as the learners' optimizer."""
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"the learners' optimizer must be a keras.optimizers.Optimizer, got {name}")
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in NOT_ELEMENTWISE and cls.__module__.startswith("keras"):
+            raise ValueError(f"{name} cannot be the learners' optimizer: {NOT_ELEMENTWISE[cls.__name__]}; "
+                             "use an elementwise one (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, "
+                             "Nadam, Lion, Ftrl)")
+    if not isinstance(optimizer, ELEMENTWISE):
+        raise ValueError(f"{name} cannot be the learners' optimizer: crossbow_tf cannot tell whether its update "
+                         "is elementwise (the learners' stacked weights need that); use Keras's SGD, Adam, AdamW, "
+                         "RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion or Ftrl, or a subclass of one")
+    for option, reason in _REFUSED_OPTIONS.items():
+        value = getattr(optimizer, option, None)
+        if value:
+            raise ValueError(f"{name}({option}={value!r}) is not supported by Crossbow training: {reason}")
+
+
+def is_momentum_sgd(optimizer):
+    """Whether OPTIMIZER is a plain momentum SGD, which the rules' own fused update runs (with its
+    weight decay as an L2 term in the gradient, Crossbow's form)."""
+    return (type(optimizer) is keras.optimizers.SGD and not optimizer.nesterov
+            and not any(getattr(optimizer, option, None) for option in _CLIP_OPTIONS + tuple(_REFUSED_OPTIONS))
+            and not getattr(optimizer, "_exclude_from_weight_decay", None)
+            and not getattr(optimizer, "_exclude_from_weight_decay_pattern", None))
+
+
+class StackedOptimizers:
+    """One clone of TEMPLATE per device, built on that device's variables.
+
+    STACKED: the variables are stacks of m learners (gradients are clipped per learner); else each
+    is one model (z, for S-SGD), clipped as Keras clips it. MODEL_VARIABLES: the model's own
+    variables, in the same order, for TEMPLATE's exclusions from weight decay."""
+
+    def __init__(self, template, variables_per_device, devices, model_variables, stacked=True):
+        check_learner_optimizer(template)
+        self.template, self.stacked = template, stacked
+        config = dict(template.get_config(), learning_rate=0.0)
+        self.clips = stacked and any(getattr(template, option, None) for option in _CLIP_OPTIONS)
+        if stacked:
+            # Keras would clip by the norm over the whole stack; the learners are clipped one by one below.
+            config.update({option: None for option in _CLIP_OPTIONS})
+        self.variables = variables_per_device
+        self.clones = []
+        for variables, device in zip(variables_per_device, devices):
+            with tf.device(device):
+                clone = type(template).from_config(config)
+                clone.build(variables)
+                excluded = [v for v, model_variable in zip(variables, model_variables)
+                            if not template._use_weight_decay(model_variable)]
+                if excluded:
+                    clone.exclude_from_weight_decay(var_list=excluded)
+            self.clones.append(clone)
+        # Not all zeros: Adagrad's accumulators start at initial_accumulator_value, Nadam's product at 1.
+        self._initial = [[v.numpy() for v in self.state(d)] for d in range(len(self.clones))]
+
+    def state(self, d):
+        """Device D's optimizer variables (step count, learning rate, the stacked slots)."""
+        return [v.value for v in self.clones[d].variables]
+
+    def apply(self, d, grads, lr):
+        """The optimizer's step on device D's variables (inside a tf.function)."""
+        clone = self.clones[d]
+        if self.clips:
+            grads = self._clipped_per_learner(grads)
+        clone.learning_rate.assign(tf.cast(lr, clone.learning_rate.dtype))
+        clone.apply(grads, self.variables[d])
+
+    def _clipped_per_learner(self, grads):
+        learners = grads[0].shape[0]
+        per_learner = [self.template._clip_gradients([g[j] for g in grads]) for j in range(learners)]
+        return [tf.stack([clipped[i] for clipped in per_learner]) for i in range(len(grads))]
+
+    def restart(self):
+        """Every slot and the step count back to their values before the first step."""
+        for d in range(len(self.clones)):
+            for v, initial in zip(self.state(d), self._initial[d]):
+                v.assign(initial)
+
+
+def learner_optimizer(optimizer):
+    """What the engine's ``optimizer=`` gets for a compiled OPTIMIZER: None for a plain momentum SGD
+    (the rules' fused update runs it), else OPTIMIZER itself, checked."""
+    if is_momentum_sgd(optimizer):
+        return None
+    check_learner_optimizer(optimizer)
+    return optimizer
