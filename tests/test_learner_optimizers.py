@@ -116,7 +116,7 @@ def digits():
     return load_embedded_mnist()
 
 
-def test_use_sma_with_adam_trains_within_a_band_of_plain_keras_adam(digits):
+def test_use_sma_with_adam_trains_within_a_band_of_plain_keras_adam(digits, tmp_path):
     import crossbow_tf
     (x, y), (x_test, y_test) = digits
     plain = digits_mlp(keras.optimizers.Adam(1e-3))
@@ -130,6 +130,17 @@ def test_use_sma_with_adam_trains_within_a_band_of_plain_keras_adam(digits):
     engine = crossbow_tf.keras.get_training(model).engine
     assert engine.optimizers is not None and not engine.velocities[0]   # Adam's own step, no SGD velocity
     assert plain_accuracy > 0.85 and abs(accuracy - plain_accuracy) < 0.03, (accuracy, plain_accuracy)
+
+    # BackupAndRestore's sidecar carries every learner's Adam state with the learners.
+    training = crossbow_tf.keras.get_training(model)
+    saved = [v.numpy() for v in engine.optimizer_states[1]]
+    assert int(engine.optimizers.clones[1].iterations.numpy()) == 2 * 63   # ceil(4000 / 64) steps per epoch
+    training.save_state(str(tmp_path / "state.npz"))
+    engine.optimizers.restart()
+    assert int(engine.optimizers.clones[1].iterations.numpy()) == 0
+    assert training.load_state(str(tmp_path / "state.npz"))
+    for got, want in zip(engine.optimizer_states[1], saved):
+        np.testing.assert_array_equal(got.numpy(), want)
 
 
 def test_ssgd_with_adam_and_a_schedule_is_keras_adam_at_the_global_batch(digits):
