@@ -77,6 +77,9 @@ def parse_args(prog, description, argv):
     p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
     p.add_argument("--tensorboard", metavar="DIR",
                    help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
+    p.add_argument("--precision", choices=config_lib.PRECISIONS,
+                   help="Keras's global dtype policy for the run (overrides precision; engine methods do not "
+                        "support mixed_float16 yet)")
     cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
@@ -101,11 +104,15 @@ def build(args, algorithm=None):
         cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
     if args.tensorboard is not None:
         cfg["tensorboard"] = args.tensorboard
+    if args.precision is not None:
+        cfg["precision"] = args.precision
     if algorithm is not None:
         cfg["algorithm"]["name"] = algorithm
     try:
         built = config_lib.from_dict(cfg)
         config_lib.check_fits_data(built, learners=algorithm is not None)
+        if algorithm is not None:
+            config_lib.check_engine_precision(built)
     except ConfigError as e:
         raise ConfigError(f"command line: {e}") from None
     if built.tensorboard:

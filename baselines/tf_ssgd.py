@@ -272,6 +272,9 @@ def train(cfg, opts, log=print):
     schedule, scale = make_schedule(cfg, opts, global_batch, per_epoch)
 
     keras.utils.set_random_seed(cfg.seed)   # as crossbow's runs: same seed, same initial weights and orders
+    # As a Keras user sets it before building the model; under mixed_float16 compile wraps the
+    # optimizer in Keras's LossScaleOptimizer (dynamic loss scaling), as it does for every user.
+    keras.mixed_precision.set_global_policy(cfg.precision)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = build_model(cfg.model, data.input_shape, data.num_classes)
         optimizer = stock_optimizer(cfg, schedule)
@@ -346,6 +349,7 @@ def train(cfg, opts, log=print):
     results.extra["strategy"] = type(strategy).__name__ if strategy is not None else None
     results.extra["train_step"] = f"{type(model).train_step.__module__}.{type(model).train_step.__qualname__}"
     results.extra["optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    results.extra["compiled_optimizer"] = f"{type(model.optimizer).__module__}.{type(model.optimizer).__qualname__}"
     results.extra["crossbow_modules"] = crossbow_modules()
     if cfg.target_accuracy is not None:
         log(results.target_summary(cfg.target_accuracy))

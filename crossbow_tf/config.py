@@ -113,6 +113,7 @@ class ExperimentConfig:
     on_divergence: str = "stop"              # stop | rollback (to the last checkpoint, learning rate halved)
     max_rollbacks: int = 3
     tensorboard: typing.Optional[str] = None   # write TensorBoard event files (tf.summary) in this folder
+    precision: str = "float32"               # Keras's global dtype policy: float32 | mixed_bfloat16 | mixed_float16
 
 
 def _check_type(path, value, annotation):
@@ -343,6 +344,7 @@ def _validate(c):
     need(c.on_divergence in ("stop", "rollback"),
          f"on_divergence: unknown {c.on_divergence!r}; choose stop or rollback")
     need(c.max_rollbacks >= 0, f"max_rollbacks: must not be negative, got {c.max_rollbacks}")
+    need(c.precision in PRECISIONS, f"precision: unknown {c.precision!r}; choose {', '.join(PRECISIONS)}")
     if expected_learners(c) is not None:   # else the run checks, once it knows k
         check_central_loop(c, expected_learners(c))
     return c
@@ -367,6 +369,19 @@ def _validate_model_and_data(c, need):
         need(d.path is None, f"data.path: applies to the {' and '.join(FILE_DATA_SETS)} data set only; "
                              f"{d.name} reads data.data_dir")
     need(c.tensorboard is None or c.tensorboard != "", "tensorboard: expected a folder, got ''")
+
+
+# Keras's dtype policies a run may train under (keras.mixed_precision.set_global_policy).
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
+def check_engine_precision(c):
+    """Raises ConfigError when C's precision cannot train through crossbow's engine: mixed_float16
+    needs loss scaling, which the engine does not have yet (stock baselines.tf_ssgd has Keras's)."""
+    if c.precision == "mixed_float16":
+        raise ConfigError("precision: mixed_float16 needs loss scaling, which crossbow's engine does not support "
+                          "yet; use mixed_bfloat16 or float32 (baselines.tf_ssgd runs mixed_float16 with Keras's "
+                          "LossScaleOptimizer)")
 
 
 def check_fits_data(c, learners=True, train_size=None, devices=None):

@@ -155,6 +155,8 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None
     CLUSTER (crossbow_tf.distribute.cluster.Cluster) trains on several workers, each running this
     same call: only the chief logs to LOG, the others log to stderr with a worker prefix.
     """
+    from crossbow_tf.config import check_engine_precision
+    check_engine_precision(cfg)
     if cfg.on_divergence == "rollback" and not cfg.checkpoint.dir:
         raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: "
                           "give checkpoint.dir (--checkpoint-dir)")
@@ -186,6 +188,9 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
 
     data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     check_fits_data(cfg, learners=True, train_size=data.train.size, devices=len(devices))
+    # As a Keras user sets it, before any model is built (the tuner's included): the layers compute
+    # in the policy's dtype, and their variables, the learners' stacks and z stay float32.
+    keras.mixed_precision.set_global_policy(cfg.precision)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
     engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners,

@@ -11,6 +11,7 @@ import shlex
 import sys
 
 from crossbow_tf import cli
+from crossbow_tf.config import PRECISIONS
 from crossbow_tf.errors import CrossbowError, TrainingDiverged, TrainingInterrupted
 
 DEFAULT_CONFIG_NAME = "lenet_mnist_embedded.yaml"
@@ -57,6 +58,9 @@ def parse_args(argv):
                    help="continue the run checkpointed in the checkpoint directory (from the beginning if none)")
     p.add_argument("--tensorboard", metavar="DIR",
                    help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="Keras's global dtype policy for the run (overrides precision; mixed_float16 is not "
+                        "supported by the engine yet: it needs loss scaling)")
     p.add_argument("--on-divergence", choices=("stop", "rollback"),
                    help="on a NaN or infinity: stop (exit 3), or roll back to the last checkpoint with the "
                         "learning rate halved, at most max_rollbacks times (overrides on_divergence)")
@@ -81,9 +85,12 @@ def build_config(args):
         cfg["on_divergence"] = args.on_divergence
     if args.tensorboard is not None:
         cfg["tensorboard"] = args.tensorboard
+    if args.precision is not None:
+        cfg["precision"] = args.precision
     try:
         built = config_lib.from_dict(cfg)
         config_lib.check_fits_data(built)
+        config_lib.check_engine_precision(built)
         return built
     except CrossbowError as e:
         raise type(e)(f"{args.config if _from_file_only(args) else 'command line'}: {e}") from None
@@ -91,7 +98,7 @@ def build_config(args):
 
 def _from_file_only(args):
     return all(v is None for v in (args.data_dir, args.epochs, args.learners_per_device, args.seed,
-                                   args.logical_cpu_devices, args.tensorboard))
+                                   args.logical_cpu_devices, args.tensorboard, args.precision))
 
 
 def check_outputs(args, cfg):

@@ -8,6 +8,10 @@ tf.data pipeline, after one warm-up epoch that absorbs tracing.
     python tools/bench_throughput.py                 # LeNet, b=16, k in 1 2 4 8 16
     python tools/bench_throughput.py --ks 1 8 --rounds 5 --devices 2
     python tools/bench_throughput.py --model resnet32 --data cifar-shaped --examples 512
+    python tools/bench_throughput.py --ks 8 --precision float32 mixed_bfloat16   # each side in both
+
+With several --precision values every runner is built under each Keras global policy and measured
+in the same interleaved rounds; a second table gives each policy's images/s over float32's.
 
 The last column is the SMA update's share of an iteration: the in-place learner and central
 updates alone (on stand-in gradients), timed side by side with the whole step.
@@ -19,6 +23,8 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from crossbow_tf.config import PRECISIONS  # noqa: E402
 
 
 def parse_args(argv):
@@ -38,6 +44,8 @@ def parse_args(argv):
                    help="SMA's learner momentum, one row per value (0: plain learner steps, no velocities)")
     p.add_argument("--learners", default="fused", choices=["fused", "replicated"],
                    help="how a device runs its learners")
+    p.add_argument("--precision", nargs="+", default=["float32"], choices=PRECISIONS,
+                   help="Keras global dtype policies to measure every runner under (side by side)")
     p.add_argument("--json", metavar="FILE", help="also write the table's numbers to FILE (JSON)")
     args = p.parse_args(argv)
     bad = [k for k in args.ks if k < 1 or k % args.devices]
@@ -78,12 +86,17 @@ def main(argv=None):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     b = args.batch_size
 
-    def fresh_model():
+    def fresh_model(precision):
         keras.utils.set_random_seed(0)
-        return build_model(args.model, data.input_shape, data.num_classes)
+        keras.mixed_precision.set_global_policy(precision)
+        try:
+            return build_model(args.model, data.input_shape, data.num_classes)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
 
-    def keras_runner(batch):
-        model = fresh_model()
+    def keras_runner(batch, precision):
+        model = fresh_model(precision)
+        # Under mixed_float16 Keras's compile wraps the SGD in its LossScaleOptimizer.
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
         # The same input set-up as the engine's pipeline (crossbow_tf.data.pipeline), so that both
         # sides are measured with the same tf.data threading.
@@ -96,9 +109,9 @@ def main(argv=None):
             return data.train.size / (time.perf_counter() - start)
         return epoch
 
-    def sma_runner(k, momentum):
+    def sma_runner(k, momentum, precision):
         strategy = CrossbowStrategy(devices=devices, learners_per_device=k // len(devices))
-        engine = Engine(fresh_model(), loss, SMA(momentum=momentum), strategy, learners=args.learners,
+        engine = Engine(fresh_model(precision), loss, SMA(momentum=momentum), strategy, learners=args.learners,
                         jit_update=args.jit_update)
 
         def one_epoch(epoch):
@@ -135,16 +148,17 @@ def main(argv=None):
             return (mid - start) / (time.perf_counter() - mid)
         return epoch, update_share
 
-    runners = {("keras", b): keras_runner(b)}
-    shares = {}
-    rows = [(k, mu) for k in args.ks for mu in args.learner_momentum]
-    for k, mu in rows:
-        runners.setdefault(("keras", k * b), keras_runner(k * b))
-        runners[("sma", k, mu)], shares[k, mu] = sma_runner(k, mu)
+    runners, shares = {}, {}
+    rows = [(k, mu, p) for p in args.precision for k in args.ks for mu in args.learner_momentum]
+    for k, mu, p in rows:
+        for batch in (b, k * b):
+            if ("keras", batch, p) not in runners:
+                runners["keras", batch, p] = keras_runner(batch, p)
+        runners[("sma", k, mu, p)], shares[k, mu, p] = sma_runner(k, mu, p)
     samples = {key: [] for key in runners}
     share_samples = {row: [] for row in rows}
     for r in range(args.rounds):
-        for key, run in runners.items():
+        for key, run in runners.items():   # each runner's model carries its own dtype policy
             samples[key].append(run())
         for row, share in shares.items():
             share_samples[row].append(share())
@@ -155,22 +169,33 @@ def main(argv=None):
           f"{len(devices)} logical CPU device(s), update {'with' if args.jit_update else 'without'} XLA, "
           f"{args.learners} learners, median of {args.rounds} interleaved rounds (images/s)\n")
     print("| k | learner momentum | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) "
-          "| update share |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| update share | precision |")
+    print("|---|---|---|---|---|---|---|---|---|")
     table = []
-    for k, mu in rows:
-        sma, big, small = med[("sma", k, mu)], med[("keras", k * b)], med[("keras", b)]
-        share = statistics.median(share_samples[k, mu])
-        table.append(dict(k=k, learner_momentum=mu, batch_size=b, global_batch=k * b, sma=sma, keras_global=big,
-                          keras_small=small, update_share=share))
+    for k, mu, p in rows:
+        sma, big, small = med[("sma", k, mu, p)], med[("keras", k * b, p)], med[("keras", b, p)]
+        share = statistics.median(share_samples[k, mu, p])
+        table.append(dict(precision=p, k=k, learner_momentum=mu, batch_size=b, global_batch=k * b, sma=sma,
+                          keras_global=big, keras_small=small, update_share=share))
         print(f"| {k} | {mu:g} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} "
-              f"| {share:.0%} |")
+              f"| {share:.0%} | {p} |")
+    others = [p for p in args.precision if p != "float32"]
+    if "float32" in args.precision and others:
+        print("\nimages/s under each policy over float32's (same round-interleaved medians)\n")
+        print("| k | learner momentum | SMA k x b | Keras at k*b | Keras at b | precision |")
+        print("|---|---|---|---|---|---|")
+        for k, mu, p in rows:
+            if p != "float32":
+                print(f"| {k} | {mu:g} | {med['sma', k, mu, p] / med['sma', k, mu, 'float32']:.2f} "
+                      f"| {med['keras', k * b, p] / med['keras', k * b, 'float32']:.2f} "
+                      f"| {med['keras', b, p] / med['keras', b, 'float32']:.2f} | {p} over float32 |")
     spread = max((max(v) - min(v)) / statistics.median(v) for v in samples.values())
     print(f"\nlargest spread across rounds (max-min)/median: {spread:.0%}")
     if args.json:
         import json
         with open(args.json + ".tmp", "w") as f:
             json.dump(dict(model=args.model, data=args.data, examples=data.train.size, devices=len(devices),
+                           precisions=args.precision,
                            rounds=args.rounds, rows=table, spread=spread), f, indent=1)
         os.replace(args.json + ".tmp", args.json)
     return 0

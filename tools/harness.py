@@ -318,7 +318,9 @@ def run_config(experiment, sections, method, overrides, *, seed, target, epochs,
     full["algorithm"]["name"] = METHODS[method].algorithm
     full.update(seed=seed, target_accuracy=target, epochs=epochs, stop_at_target=True)
     try:
-        config_lib.from_dict(full)
+        built = config_lib.from_dict(full)
+        if METHODS[method].engine:
+            config_lib.check_engine_precision(built)
         opts = parse_tf_ssgd_options(options) if method == "tf_ssgd" else None
         check_user_files(full)
     except ConfigError as e:
@@ -384,7 +386,7 @@ def same_run(old_text, new_text):
 # Config keys every trial's hparams hold (dotted; sections: every key in them), besides the method,
 # entry, trial and seed: what grids and fixed settings usually vary.
 HPARAM_KEYS = ("model", "data.name", "batch_size", "learners_per_device", "devices.logical_cpu", "epochs",
-               "algorithm.", "learning_rate.")
+               "algorithm.", "learning_rate.", "precision")
 
 
 def trial_hparams(method, experiment, options, entry, trial, seed):

@@ -34,6 +34,9 @@ NON_TRAJECTORY_KEYS = ("name", "epochs", "target_accuracy", "stop_at_target", "e
                        "learner_diagnostics", "collapse_epochs", "batchnorm_eval", "batchnorm_batches",
                        "algorithm.allow_unstable",
                        "data.path", "tensorboard")
+# Keys added to the configuration since checkpoints were first written, with the value that a
+# checkpoint without them was trained with.
+ADDED_KEYS = {"precision": "float32"}
 
 
 @dataclasses.dataclass
@@ -65,7 +68,7 @@ def _flatten(mapping, prefix=""):
 
 def trajectory_differences(saved_config, config):
     """Dotted keys whose values differ between two configuration dicts and change the trajectory."""
-    saved, current = _flatten(saved_config), _flatten(config)
+    saved, current = dict(ADDED_KEYS, **_flatten(saved_config)), _flatten(config)
     def matters(key):
         return not any(key == k or (k.endswith(".") and key.startswith(k)) for k in NON_TRAJECTORY_KEYS)
     return [f"{key} ({saved.get(key)!r} in the checkpoint, {current.get(key)!r} now)"

@@ -21,6 +21,13 @@ call on each slice is the one form that draws exactly what a replicated learner 
 cheap beside the convolutions that follow them. Nested Sequential and Functional models are walked
 into, layer by layer.
 
+Dtype policies are honoured as Keras's own ``Layer.__call__`` honours them: each layer's float
+inputs are cast to its compute dtype, its autocast weights are cast to that dtype where it reads
+them (the learners' stacks stay in the variable dtype, float32, so gradients come back float32),
+BatchNorm computes in float32 and returns its compute dtype, and a layer that asks for float32
+(dtype="float32", as Keras's mixed-precision guide recommends for the last one) computes and
+returns float32. The loss is computed in float32 (``per_example_loss_fn``).
+
 The model's Keras graph is walked with each layer replaced by its fused form; a model with a layer
 that has no fused form raises UnsupportedModel, and `make_learners` falls back to replicated
 learners with a one-line notice, once per model.
@@ -32,11 +39,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import layers as L
+# Not exported by Keras: the scope in which its layers read autocast variables in the compute dtype.
+from keras.src.backend import AutocastScope
 # Not exported by Keras: the base of every image preprocessing and augmentation layer it ships.
 from keras.src.layers.preprocessing.image_preprocessing.base_image_preprocessing_layer import (
     BaseImagePreprocessingLayer)
 
-from crossbow_tf.engine.replicated import ReplicatedLearners, masked_mean, per_example_loss_fn
+from crossbow_tf.engine.replicated import ReplicatedLearners, in_variable_dtypes, masked_mean, per_example_loss_fn
 
 log = logging.getLogger("crossbow_tf")
 
@@ -195,6 +204,27 @@ def _learners_matmul(x, kernel):
     return y, grad
 
 
+def _weight_dtype(layer):
+    """The dtype LAYER's autocast weights are read in during its call (None: as stored), as Keras's
+    Layer.__call__ sets its autocast scope."""
+    if layer.autocast and keras.backend.is_float_dtype(layer.compute_dtype):
+        return keras.backend.standardize_dtype(layer.compute_dtype)
+    return None
+
+
+def _layer_input(layer, x):
+    """X as LAYER receives it from Keras's Layer.__call__: float inputs cast to its input dtype."""
+    if not getattr(layer, "_convert_input_args", True):
+        return x
+    return layer.dtype_policy.convert_input(x, layer.autocast, layer.input_dtype)
+
+
+def _graph_input(graph, inputs):
+    """INPUTS as a Functional model's call standardizes them: cast to its Input tensors' dtypes."""
+    return [tf.cast(x, spec.dtype) if x.dtype.is_floating and keras.backend.is_float_dtype(spec.dtype) else x
+            for x, spec in zip(inputs, graph._inputs)]
+
+
 def _cast_seed(seed):
     # The same seed conversion as Keras's TensorFlow backend, so masks match the replicated path.
     from keras.src.backend.tensorflow.random import _cast_seed as keras_cast_seed
@@ -258,9 +288,12 @@ class FusedLearners:
         """The learners' stack of VARIABLE: trainable, or frozen (kept with the non-trainable state)
         as this step has left it so far (a layer used twice sees its first use's update)."""
         index = self._t_index.get(id(variable))
-        if index is not None:
-            return self._weights[index]
-        return self._new_states[self._s_index[id(variable)]]
+        value = self._weights[index] if index is not None else self._new_states[self._s_index[id(variable)]]
+        # Keras casts only variables created with autocast=True (not BatchNorm's, for example).
+        if (self._read_dtype is not None and getattr(variable, "_autocast", True) and value.dtype.is_floating
+                and value.dtype != self._read_dtype):
+            return tf.cast(value, self._read_dtype)
+        return value
 
     def _grouped_conv(self, layer, x, kernel, strides, dilations, padding):
         """The learners' convolution of merged X with their stacked KERNEL (m, kh, kw, C, O), bias and
@@ -268,7 +301,13 @@ class FusedLearners:
         m = self._m
         kh, kw, c, o = kernel.shape[1:]
         kernel = tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]), [kh, kw, c, m * o])
-        y = tf.nn.conv2d(x, kernel, strides=strides, padding=padding, dilations=dilations)
+        if x.dtype == tf.float16 and "GPU" not in x.device.upper():
+            # TensorFlow's CPU kernels compute no filter gradient of a grouped float16 convolution
+            # (oneDNN's cover float32 and bfloat16): one convolution per learner there.
+            y = tf.concat([tf.nn.conv2d(x_i, k_i, strides=strides, padding=padding, dilations=dilations)
+                           for x_i, k_i in zip(tf.split(x, m, axis=-1), tf.split(kernel, m, axis=-1))], -1)
+        else:
+            y = tf.nn.conv2d(x, kernel, strides=strides, padding=padding, dilations=dilations)
         if layer.use_bias:
             y = tf.nn.bias_add(y, tf.reshape(self._w(layer.bias), [m * o]))
         if layer.activation in _ELEMENTWISE_ACTIVATIONS:
@@ -276,9 +315,18 @@ class FusedLearners:
         return layer.activation(self._split(y, m))
 
     def _apply(self, layer, inputs):
-        m = self._m
         if _is_submodel(layer):
             return self._run(_graph_of(layer), inputs)
+        inputs = [_layer_input(layer, x) for x in inputs]
+        self._read_dtype = tf.as_dtype(_weight_dtype(layer)) if _weight_dtype(layer) else None
+        try:
+            with AutocastScope(_weight_dtype(layer)):
+                return self._apply_layer(layer, inputs)
+        finally:
+            self._read_dtype = None
+
+    def _apply_layer(self, layer, inputs):
+        m = self._m
         if isinstance(layer, BaseImagePreprocessingLayer):
             return self._per_learner(layer, inputs[0])
         if isinstance(layer, L.Conv2D):
@@ -329,7 +377,8 @@ class FusedLearners:
                               L.GlobalAveragePooling1D, L.GlobalMaxPooling1D)):
             x = inputs[0]
             average = isinstance(layer, (L.GlobalAveragePooling2D, L.GlobalAveragePooling1D))
-            reduce = tf.reduce_mean if average else tf.reduce_max
+            # Keras's mean, which accumulates low-precision inputs in float32.
+            reduce = keras.ops.mean if average else keras.ops.max
             return tf.transpose(reduce(x, axis=list(range(1, len(x.shape) - 2))), [1, 0, 2])
         if isinstance(layer, L.ZeroPadding2D):
             (top, bottom), (left, right) = layer.padding
@@ -377,6 +426,11 @@ class FusedLearners:
         return self._stack_learners(outputs)
 
     def _batch_norm(self, layer, x):
+        # As Keras's BatchNormalization: computed in float32 (at least), returned in the compute dtype.
+        x = tf.cast(x, keras.backend.result_type(x.dtype, "float32"))
+        return tf.cast(self._batch_norm_of(layer, x), layer.compute_dtype)
+
+    def _batch_norm_of(self, layer, x):
         rank = len(x.shape)
         axes = [1] if rank == 3 else list(range(rank - 2))
 
@@ -421,13 +475,14 @@ class FusedLearners:
     # ---- the learners ----------------------------------------------------------------------
     def _run(self, graph, inputs):
         return graph._run_through_graph(
-            inputs, operation_fn=lambda layer: (lambda *args, **kwargs: self._apply(layer, [
+            _graph_input(graph, inputs), operation_fn=lambda layer: (lambda *args, **kwargs: self._apply(layer, [
                 a for a in tf.nest.flatten(args) if isinstance(a, (tf.Tensor, tf.Variable))])))
 
     def forward(self, weights, states, x):
         """Outputs of every learner, stacked (m, b, ...), and the new states."""
         self._m = x.shape[0]
         self._weights, self._states, self._new_states = weights, states, list(states)
+        self._read_dtype = None
         outputs = self._run(self.graph, [self._to_fused(t) for t in tf.nest.flatten(x)])
         outputs = tf.nest.map_structure(self._to_stacked, outputs)
         new_states = self._new_states
@@ -444,7 +499,7 @@ class FusedLearners:
         # Each learner's loss depends only on its own slice of the stacks, so the gradient of
         # the sum is every learner's own gradient.
         grads = tape.gradient(total, weights, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return losses, grads, new_states, preds
+        return losses, in_variable_dtypes(grads, weights), new_states, preds
 
 
 # Models already announced as running replicated: the notice comes once per model, not at every

@@ -3,19 +3,34 @@
 Works for any Keras model. A fused computation (all learners of a device as one grouped
 computation) can replace it behind the same signature.
 """
+import keras
 import tensorflow as tf
 
 
 def per_example_loss_fn(loss):
-    """A function (y_true, y_pred) -> per-example losses from a Keras loss object or function."""
-    call = getattr(loss, "call", None)
-    if call is not None:
-        return call
-    return loss
+    """A function (y_true, y_pred) -> per-example losses from a Keras loss object or function.
+
+    Float predictions are cast to the loss's dtype (float32 unless it says otherwise) first, as
+    Keras's Loss.__call__ casts them: under a mixed-precision policy the model's outputs are in the
+    compute dtype, but the loss is computed in float32."""
+    call = getattr(loss, "call", None) or loss
+    dtype = getattr(loss, "dtype", None) or "float32"
+
+    def per_example(y_true, y_pred):
+        y_pred = keras.tree.map_structure(
+            lambda t: tf.cast(t, dtype) if t is not None and t.dtype.is_floating else t, y_pred)
+        return call(y_true, y_pred)
+    return per_example
+
+
+def in_variable_dtypes(grads, weights):
+    """GRADS in the dtypes of WEIGHTS (the variable dtype, float32 under a mixed policy): the
+    update rules run in the weights' dtype."""
+    return [tf.cast(g, w.dtype) for g, w in zip(grads, weights)]
 
 
 def masked_mean(per_example, mask):
-    per_example = tf.reshape(per_example, [tf.shape(mask)[0], -1])
+    per_example = tf.reshape(tf.cast(per_example, mask.dtype), [tf.shape(mask)[0], -1])
     per_example = tf.reduce_mean(per_example, axis=1)
     count = tf.reduce_sum(mask)
     return tf.reduce_sum(per_example * mask) / tf.maximum(count, 1.0)
@@ -52,8 +67,9 @@ class ReplicatedLearners:
                 y_pred, s_new, extra = self.model.stateless_call(w_i, s_i, x[i], return_losses=True, **training)
                 loss = masked_mean(self.per_example_loss(y[i], y_pred), mask[i])
                 if extra:
-                    loss = loss + tf.add_n(extra)
-            grads.append(tape.gradient(loss, w_i, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+                    loss = loss + tf.add_n([tf.cast(e, loss.dtype) for e in extra])
+            grads.append(in_variable_dtypes(
+                tape.gradient(loss, w_i, unconnected_gradients=tf.UnconnectedGradients.ZERO), w_i))
             losses.append(loss)
             new_states.append(s_new)
             preds.append(y_pred)

@@ -180,6 +180,10 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     if not getattr(model, "compiled", False):
         raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
                          "loss=...) first")
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        # What Keras's compile puts around the optimizer under mixed_float16.
+        raise ValueError("mixed_float16 needs loss scaling (Keras wrapped the optimizer in a LossScaleOptimizer), "
+                         "which Crossbow training does not support yet; use mixed_bfloat16 or float32")
     rule = algorithm_from_optimizer(model.optimizer, algorithm, alpha, central_momentum, weight_decay)
     check_compiled_loss(model)
     detach(model)

@@ -1,0 +1,286 @@
+"""Keras dtype policies: the fused learners compute what the replicated ones (Keras's own
+stateless_call) compute under mixed_bfloat16 and mixed_float16, in the lower precision, while the
+learners' weights, velocities, z and u stay float32; the precision key of the run, the baselines
+and the harness; mixed_float16 refused for the engine until it has loss scaling."""
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+
+from crossbow_tf.algorithms import SMA
+from crossbow_tf.distribute import CrossbowStrategy
+from crossbow_tf.engine.core import Engine
+from crossbow_tf.engine.fused import FusedLearners
+from crossbow_tf.engine.replicated import ReplicatedLearners
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+SHAPE, CLASSES = (12, 12, 3), 5
+
+
+@pytest.fixture(autouse=True)
+def float32_after_each_test():
+    """Keras's global policy is process-wide: every test leaves it as the other tests expect it."""
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@contextlib.contextmanager
+def global_policy(name):
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def small_cnn():
+    """Convolution, BatchNorm, Dropout and dense layers; the last layer float32, as Keras's
+    mixed-precision guide recommends."""
+    inputs = keras.Input(SHAPE)
+    x = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Activation("relu")(x)
+    x = keras.layers.MaxPooling2D(2)(x)
+    x = keras.layers.Conv2D(8, 3, activation="relu")(x)
+    pooled = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Concatenate()([pooled, keras.layers.Dense(4, activation="tanh")(keras.layers.Flatten()(x))])
+    x = keras.layers.Dense(16, activation="relu")(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dropout(0.4)(x)
+    x = keras.layers.Dense(CLASSES)(x)
+    return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(x))
+
+
+def train(policy, learners, devices, lr, steps):
+    with global_policy(policy):
+        keras.utils.set_random_seed(0)
+        model = small_cnn()
+    engine = Engine(model, LOSS, SMA(), CrossbowStrategy(devices=devices, learners_per_device=2), learners=learners)
+    rng = np.random.default_rng(0)
+    kb = engine.num_learners * 8
+    for _ in range(steps):
+        loss, preds = engine.train_step(rng.random((kb,) + SHAPE, dtype=np.float32),
+                                        rng.integers(0, CLASSES, kb).astype(np.int32), None, lr)
+    return engine
+
+
+def distance(a, b):
+    """Largest difference of two lists of arrays, relative to the largest magnitude in A."""
+    return max(np.abs(x - y).max() for x, y in zip(a, b)) / max(np.abs(x).max() for x in a)
+
+
+def every_learner(engine):
+    return [w for learner in engine.learner_weights() for w in learner]
+
+
+# Relative rounding unit of each compute dtype (2^-8 for bfloat16's 8 significand bits, 2^-11 for float16).
+ROUNDING = {"mixed_bfloat16": 2.0 ** -8, "mixed_float16": 2.0 ** -11}
+
+
+# A small rate and few steps: BatchNorm over 8 examples amplifies the rounding differences of two
+# correct computations step by step (tests/test_fused.py), the more so in low precision; and with no
+# loss scaling yet, nothing may overflow float16.
+RATE, STEPS = 0.01, 2
+
+
+@pytest.fixture(scope="module")
+def float32_runs():
+    from tests.conftest import DEVICES
+    return {("float32", learners): train("float32", learners, DEVICES[:2], RATE, STEPS)
+            for learners in ("fused", "replicated")}
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_fused_equals_replicated_and_computes_in_the_policy(cpu_devices, float32_runs, policy):
+    runs = {**float32_runs, **{(policy, learners): train(policy, learners, cpu_devices[:2], RATE, STEPS)
+                               for learners in ("fused", "replicated")}}
+    fused, replicated = runs[policy, "fused"], runs[policy, "replicated"]
+    assert isinstance(fused.learners, FusedLearners) and isinstance(replicated.learners, ReplicatedLearners)
+    # The layers compute in the policy's dtype; every variable of the engine is float32.
+    assert {layer.compute_dtype for layer in fused.model.layers[1:-1]} == {policy.split("_")[1]}
+    for engine in (fused, replicated):
+        stacks = [v for d in range(2) for v in engine.center[d] + engine.center_velocity[d] + engine.weights[d]
+                  + engine.velocities[d]]
+        assert stacks and {v.dtype.name for v in stacks} == {"float32"}
+    z_apart = distance(fused.center_weights(), replicated.center_weights())
+    learners_apart = distance(every_learner(fused), every_learner(replicated))
+    assert z_apart <= ROUNDING[policy] and learners_apart <= 2 * ROUNDING[policy]
+    states = {learners: [s.numpy() for d in runs[policy, learners].states for s in d if s.dtype.is_floating]
+              for learners in ("fused", "replicated")}
+    assert distance(states["fused"], states["replicated"]) <= ROUNDING[policy]
+    # Each is much further from its own float32 run (fused and replicated agree to 1e-5 under
+    # float32, tests/test_fused.py): both really compute in the lower precision.
+    for learners in ("fused", "replicated"):
+        low, full = runs[policy, learners], runs["float32", learners]
+        from_float32 = distance(low.center_weights(), full.center_weights())
+        assert from_float32 > max(10 * z_apart, ROUNDING[policy])
+        assert distance(every_learner(low), every_learner(full)) > 10 * learners_apart
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_one_learner_call_returns_float32_gradients_and_loss(policy):
+    """The gradients that reach the update are float32 (the variable dtype), the loss is computed in
+    float32, and the fused outputs of a layer that computes in the policy's dtype are in it."""
+    with global_policy(policy):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input(SHAPE)
+        x = keras.layers.Flatten()(keras.layers.Conv2D(4, 3, activation="relu")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(CLASSES)(x))   # no float32 layer: outputs in the policy
+    m, b = 2, 4
+    weights = [np.stack([v.numpy()] * m) for v in model.trainable_variables]
+    rng = np.random.default_rng(0)
+    x = rng.random((m, b) + SHAPE, dtype=np.float32)
+    y = rng.integers(0, CLASSES, (m, b)).astype(np.int32)
+    mask = np.ones((m, b), np.float32)
+    outputs = {}
+    for cls in (FusedLearners, ReplicatedLearners):
+        losses, grads, _, preds = cls(model, LOSS)([tf.constant(w) for w in weights], [], tf.constant(x),
+                                                   tf.constant(y), tf.constant(mask))
+        assert losses.dtype == tf.float32 and {g.dtype for g in grads} == {tf.float32}
+        assert preds.dtype.name == policy.split("_")[1]
+        outputs[cls] = (losses.numpy(), [g.numpy() for g in grads], preds.numpy().astype(np.float32))
+    (loss_f, grads_f, preds_f), (loss_r, grads_r, preds_r) = outputs.values()
+    np.testing.assert_allclose(preds_f, preds_r, rtol=2 * ROUNDING[policy], atol=2 * ROUNDING[policy])
+    np.testing.assert_allclose(loss_f, loss_r, rtol=2 * ROUNDING[policy])
+    assert distance(grads_r, grads_f) <= 4 * ROUNDING[policy]
+    # A float32 computation on the same weights gives other predictions: the layers ran in low precision.
+    with global_policy("float32"):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input(SHAPE)
+        h = keras.layers.Flatten()(keras.layers.Conv2D(4, 3, activation="relu")(inputs))
+        model32 = keras.Model(inputs, keras.layers.Dense(CLASSES)(h))
+    float32_preds = np.stack([np.asarray(model32.stateless_call([tf.constant(w[i]) for w in weights], [], x[i])[0])
+                              for i in range(m)])
+    assert np.abs(preds_f - float32_preds).max() > 10 * np.abs(preds_f - preds_r).max() + 1e-6
+
+
+def write(path, doc):
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def experiment(**changes):
+    return dict(dict(name="mp", model="lenet", data={"name": "mnist_embedded"}, devices={"logical_cpu": 2},
+                     learners_per_device=2, batch_size=16, learning_rate={"base": 0.05}, epochs=1, seed=0), **changes)
+
+
+def test_the_cli_trains_under_mixed_bfloat16_and_records_it(tmp_path):
+    results = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "crossbow_tf.run", "--config", write(tmp_path / "c.yaml", experiment()),
+                           "--precision", "mixed_bfloat16", "--results", str(results)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(results.read_text())
+    assert d["config"]["precision"] == "mixed_bfloat16"
+    assert d["evaluations"][-1]["accuracy"] > 0.85   # float32: 0.92 after this one epoch
+
+
+@pytest.mark.parametrize("policy, optimizer", [("mixed_bfloat16", "SGD"), ("mixed_float16", "LossScaleOptimizer")])
+def test_tf_ssgd_runs_as_a_keras_user_runs_it(tmp_path, capsys, policy, optimizer):
+    """The stock baseline sets the same global policy; under mixed_float16 Keras's compile wraps its
+    SGD in Keras's own LossScaleOptimizer."""
+    from baselines.tf_ssgd import main
+    results = tmp_path / "r.json"
+    # A small model: float16 kernels on a CPU are slow.
+    (tmp_path / "tiny.py").write_text(
+        "import keras\n"
+        "def build(input_shape, num_classes):\n"
+        "    return keras.Sequential([keras.Input(input_shape), keras.layers.Conv2D(4, 5, strides=2),\n"
+        "                             keras.layers.Flatten(), keras.layers.Dense(num_classes)])\n")
+    cfg = write(tmp_path / "c.yaml", experiment(devices={}, batch_size=64, model=f"{tmp_path / 'tiny.py'}:build"))
+    assert main(["--config", cfg, "--precision", policy, "--results", str(results)]) == 0
+    d = json.loads(results.read_text())
+    assert d["config"]["precision"] == policy and d["compiled_optimizer"].endswith(f".{optimizer}")
+    assert d["evaluations"][-1]["accuracy"] > 0.8
+
+
+def test_mixed_float16_is_refused_for_engine_methods_in_one_line(tmp_path, capsys, cpu_devices):
+    from baselines.crossbow_ssgd import main as crossbow_ssgd
+    from crossbow_tf.run import main as run
+    from crossbow_tf.errors import ConfigError
+    spec = importlib.util.spec_from_file_location("tools_harness", os.path.join(REPO, "tools", "harness.py"))
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    run_config = harness.run_config
+    cfg = write(tmp_path / "c.yaml", experiment())
+    for main, prog in ((run, "crossbow_tf"), (crossbow_ssgd, "python -m baselines.crossbow_ssgd")):
+        assert main(["--config", cfg, "--precision", "mixed_float16"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error:")
+        assert "mixed_float16 needs loss scaling" in err and "not support" in err
+    half = write(tmp_path / "half.yaml", experiment(precision="mixed_float16"))
+    assert run(["--config", half]) == 2 and "loss scaling" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        run(["--config", cfg, "--precision", "float8"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--precision: invalid choice: 'float8'" in err
+    bad = write(tmp_path / "bad.yaml", experiment(precision="bfloat16"))
+    assert run(["--config", bad]) == 2 and "precision: unknown 'bfloat16'" in capsys.readouterr().err
+    # The harness: a key like any other, refused at planning time for the engine's methods only.
+    full, _ = run_config(experiment(), {}, "tf_ssgd", {"precision": "mixed_float16"}, seed=0, target=0.9, epochs=1,
+                         where="entry")
+    assert full["precision"] == "mixed_float16"
+    with pytest.raises(ConfigError, match="entry: precision: mixed_float16 needs loss scaling"):
+        run_config(experiment(), {}, "sma", {"precision": "mixed_float16"}, seed=0, target=0.9, epochs=1, where="entry")
+    # use_sma: Keras's compile wraps the optimizer in a LossScaleOptimizer under mixed_float16.
+    import crossbow_tf
+    with global_policy("mixed_float16"):
+        model = small_cnn()
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
+    with pytest.raises(ValueError, match="mixed_float16 needs loss scaling .* not support yet"):
+        crossbow_tf.use_sma(model, CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
+
+
+def test_a_checkpoint_from_before_the_key_resumes_as_float32():
+    from crossbow_tf import config as config_lib
+    from crossbow_tf.engine.checkpoint import trajectory_differences
+    current = config_lib.to_dict(config_lib.from_dict({}))
+    saved = {k: v for k, v in current.items() if k != "precision"}
+    assert trajectory_differences(saved, current) == []
+    assert trajectory_differences(saved, dict(current, precision="mixed_bfloat16")) == [
+        "precision ('float32' in the checkpoint, 'mixed_bfloat16' now)"]
+
+
+def test_fit_under_mixed_bfloat16_reaches_the_accuracy_of_float32(cpu_devices):
+    """A Keras fit through use_sma on the embedded digits, float32 against mixed_bfloat16."""
+    import crossbow_tf
+    (x, y), (x_test, y_test) = crossbow_tf.data.load_embedded_mnist()
+    accuracy = {}
+    for policy in ("float32", "mixed_bfloat16"):
+        with global_policy(policy):
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([
+                keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.MaxPooling2D(2),
+                keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dropout(0.2),
+                keras.layers.Dense(10), keras.layers.Activation("linear", dtype="float32")])
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS, metrics=["accuracy"])
+            crossbow_tf.use_sma(model, CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
+            model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+        assert {v.dtype for v in model.weights} == {"float32"}
+        assert model.layers[0].compute_dtype == policy.split("_")[-1]
+        accuracy[policy] = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
+    assert accuracy["float32"] > 0.9
+    assert abs(accuracy["mixed_bfloat16"] - accuracy["float32"]) < 0.03, accuracy
+
+
+def test_bench_throughput_measures_each_policy_side_by_side():
+    proc = subprocess.run([sys.executable, "tools/bench_throughput.py", "--ks", "2", "--rounds", "1", "--examples", "96",
+                           "--precision", "float32", "mixed_bfloat16"], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+            if line.startswith("| 2 |")]
+    assert [(r[0], r[-1]) for r in rows] == [("2", "float32"), ("2", "mixed_bfloat16"),
+                                              ("2", "mixed_bfloat16 over float32")]
+    assert all(float(c) > 0 for r in rows for c in r[2:5])
