@@ -177,13 +177,22 @@ def test_optimizers_that_are_not_elementwise_are_refused_with_the_reason(optimiz
         crossbow_tf.use_sma(digits_mlp(optimizer()), strategy)
 
 
-@pytest.mark.parametrize("name", ["SGD_nesterov", "Adagrad", "Adamax", "Nadam", "Lion", "Adadelta", "Ftrl"])
+def adamw_sparing_biases():
+    optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+@pytest.mark.parametrize("name", ["SGD_nesterov", "Adagrad", "Adamax", "Nadam", "Lion", "Adadelta", "Ftrl",
+                                  "AdamW_sparing_biases"])
 def test_every_elementwise_keras_optimizer_takes_its_own_step_per_learner(name, cpu_devices):
     """One learner on a device alone (alpha = 0) is exactly one Keras model with that optimizer
     taking its own steps on its slice: the stacked state is per-learner Keras state."""
     make = {"SGD_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
             # Adadelta's rate multiplies a step that is already of the weights' scale.
-            "Adadelta": lambda: keras.optimizers.Adadelta(1.0)}.get(name, lambda: getattr(keras.optimizers, name)(0.05))
+            "Adadelta": lambda: keras.optimizers.Adadelta(1.0),
+            # exclude_from_weight_decay names the model's variables; the stacks follow them.
+            "AdamW_sparing_biases": adamw_sparing_biases}.get(name, lambda: getattr(keras.optimizers, name)(0.05))
     x, y = toy_data()
     model = small_mlp()
     strategy = CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2)
