@@ -196,14 +196,16 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
                             mu_z=0.9, alpha=None, period=1, outer_lr=1.0, outer_mu=0.0, nesterov=False):
     """As run_reference, with every learner taking OPTIMIZER's step (its own state, kept across
     SMA's resets at a drop) in place of the momentum step. SMA: s = w; w = step(w); w = w - alpha*(s - z);
-    u = mu_z*u + sum_j alpha*(s_j - z); z = z + u. Local SGD: as run_reference's. Returns (z, learners)."""
+    u = mu_z*u + sum_j alpha*(s_j - z); z = z + u. EASGD: the same correction, z = z + sum_j alpha*(s_j - z).
+    Local SGD: as run_reference's. Returns (z, learners)."""
     n = len(y)
     per_epoch = -(-n // (k * b))
     z = [p.astype(np.float64).copy() for p in params0]
     u = [np.zeros_like(p) for p in z]
     w = [[p.copy() for p in z] for _ in range(k)]
     states = [optimizer.init(z) for _ in range(k)]
-    alpha = 1.0 / k if alpha is None else alpha
+    if alpha is None:
+        alpha = 0.9 / k if algorithm == "easgd" else 1.0 / k
     for t in range(iterations):
         lr = lr_at(t, base_lr, drops, factor)
         if algorithm == "sma" and t > 0 and lr < lr_at(t - 1, base_lr, drops, factor):
@@ -214,7 +216,7 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
             _, g = mlp_loss_grads(w[j], x[s], y[s])
             before = w[j]
             w[j] = optimizer.step(before, g, states[j], lr)
-            if algorithm == "sma" and synchronising:
+            if algorithm in ("sma", "easgd") and synchronising:
                 for i in range(len(z)):
                     delta = alpha * (before[i] - z[i])
                     w[j][i] = w[j][i] - delta
@@ -225,6 +227,8 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
             if algorithm == "sma":
                 u[i] = mu_z * u[i] + totals[i]
                 z[i] = z[i] + u[i]
+            elif algorithm == "easgd":
+                z[i] = z[i] + totals[i]
             else:  # localsgd
                 g_o = z[i] - sum(w[j][i] for j in range(k)) / k
                 u[i] = outer_mu * u[i] + g_o

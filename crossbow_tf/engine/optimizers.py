@@ -17,10 +17,9 @@ written into the clone's learning-rate variable before its update.
 import keras
 import tensorflow as tf
 
-_optimizers = keras.optimizers
 # Keras optimizers whose update of a weight reads only that weight's own elements.
-ELEMENTWISE = (_optimizers.SGD, _optimizers.Adam, _optimizers.AdamW, _optimizers.RMSprop, _optimizers.Adagrad,
-               _optimizers.Adadelta, _optimizers.Adamax, _optimizers.Nadam, _optimizers.Lion, _optimizers.Ftrl)
+ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in (
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl"))
 NOT_ELEMENTWISE = {
     "Lamb": "its layer-wise trust ratio divides by the norm of a whole weight tensor, which over the stacked "
             "learners would be one norm for all of them",
