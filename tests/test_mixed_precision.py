@@ -231,6 +231,7 @@ def test_mixed_float16_is_refused_for_engine_methods_in_one_line(tmp_path, capsy
     full, _ = run_config(experiment(), {}, "tf_ssgd", {"precision": "mixed_float16"}, seed=0, target=0.9, epochs=1,
                          where="entry")
     assert full["precision"] == "mixed_float16"
+    assert harness.trial_hparams("tf_ssgd", full, {}, "entry", "t00", 0)["precision"] == "mixed_float16"
     with pytest.raises(ConfigError, match="entry: precision: mixed_float16 needs loss scaling"):
         run_config(experiment(), {}, "sma", {"precision": "mixed_float16"}, seed=0, target=0.9, epochs=1, where="entry")
     # use_sma: Keras's compile wraps the optimizer in a LossScaleOptimizer under mixed_float16.
