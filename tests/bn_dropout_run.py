@@ -1,13 +1,13 @@
-"""`python tests/bn_dropout_run.py ARGS...`: `python -m crossbow_tf.run ARGS...` with one more model,
-``bn_dropout`` (convolution, BatchNorm, Dropout), so that checkpoint tests can kill and resume a
-real training process whose learners have BatchNorm statistics and Dropout seed state."""
+"""`python tests/bn_dropout_run.py ARGS...`: `python -m crossbow_tf.run ARGS...`, and the model
+``bn_dropout`` (convolution, BatchNorm, Dropout) that the checkpoint tests' configs name as a user's
+model (``model: tests/bn_dropout_run.py:bn_dropout``), so that they can kill and resume a real
+training process whose learners have BatchNorm statistics and Dropout seed state."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from crossbow_tf import run  # noqa: E402
-from crossbow_tf.models import MODELS  # noqa: E402
 
 
 def bn_dropout(input_shape, num_classes):
@@ -28,5 +28,4 @@ def bn_dropout(input_shape, num_classes):
 
 
 if __name__ == "__main__":
-    MODELS["bn_dropout"] = bn_dropout
     sys.exit(run.main())

@@ -3,9 +3,10 @@ digits through the engine and then through Keras's fit, and saves z before and a
 Run with TF_CONFIG for a worker of a cluster, without it for one process.
 
     python tests/multiworker_worker.py engine|keras|both OUT --devices D --learners M
-        [--iterations N] [--timeout S]
+        [--iterations N] [--timeout S] [--rules sma sma_h3 diloco_h3]
 
-writes OUT.engine.npz, OUT.engine.initial.npz (and the same for keras).
+writes OUT.engine.npz, OUT.engine.initial.npz (and the same for keras); each rule of --rules
+but "sma" trains through the engine too, into OUT.engine_RULE.npz.
 """
 import argparse
 import contextlib
@@ -25,7 +26,18 @@ def parse():
     p.add_argument("--learners", type=int, required=True)
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--timeout", type=float, default=15.0)
+    p.add_argument("--rules", nargs="+", choices=sorted(RULES), default=["sma"])
     return p.parse_args()
+
+
+def _rules():
+    from crossbow_tf.algorithms import SMA, LocalSGD
+    return {"sma": SMA(),
+            "sma_h3": SMA(alpha=0.3, central_step=1.5, sync_period=3),
+            "diloco_h3": LocalSGD(period=3, outer_learning_rate=0.7, outer_momentum=0.9, nesterov=True)}
+
+
+RULES = ("sma", "sma_h3", "diloco_h3")
 
 
 def main():
@@ -38,7 +50,12 @@ def main():
     from crossbow_tf.data import load_dataset
     data = load_dataset("mnist_embedded")
     for path in ("engine", "keras") if args.path == "both" else (args.path,):
-        (train_engine if path == "engine" else train_keras)(strategy, data, args, f"{args.out}.{path}")
+        if path == "keras":
+            train_keras(strategy, data, args, f"{args.out}.keras")
+            continue
+        for rule in args.rules:
+            train_engine(strategy, data, args, f"{args.out}.engine" + ("" if rule == "sma" else f"_{rule}"),
+                         _rules()[rule])
     print("done", flush=True)
 
 
@@ -50,25 +67,26 @@ def fresh_model(strategy, data):
     return build_model("lenet", data.input_shape, data.num_classes)
 
 
-def save(path, center, states, losses=(), collectives=-1):
+def save(path, center, states, losses=(), collectives=-1, local_collectives=-1):
     import numpy as np
-    np.savez(path, *center, *states, losses=np.array(losses), collectives=np.array(collectives))
+    np.savez(path, *center, *states, losses=np.array(losses), collectives=np.array(collectives),
+             local_collectives=np.array(local_collectives))
 
 
-def _collectives_per_step(engine, x, y, mask, *count):
-    """The collective all-reduce ops in the engine's compiled step, nested functions included."""
+def _collectives_per_step(engine, x, y, mask, *count, step=None):
+    """The collective all-reduce ops in the engine's compiled step (or STEP), nested functions included."""
     import tensorflow as tf
     count = [tf.cast(c, tf.float32) for c in count] or [None]
-    graph = engine._step.get_concrete_function(x, y, tf.cast(mask, tf.float32), tf.constant(0.05), *count).graph
+    graph = (step or engine._step).get_concrete_function(x, y, tf.cast(mask, tf.float32), tf.constant(0.05),
+                                                         *count).graph
     count = sum(op.type == "CollectiveReduceV2" for op in graph.get_operations())
     for function in graph._functions.values():
         count += sum(node.op == "CollectiveReduceV2" for node in function.cached_definition.node_def)
     return count
 
 
-def train_engine(strategy, data, args, out):
+def train_engine(strategy, data, args, out, rule):
     import keras
-    from crossbow_tf.algorithms import SMA
     from crossbow_tf.data.pipeline import train_batches
     from crossbow_tf.engine.core import Engine
     # The example order must be the same on every worker (tf.data's shuffle also reads the global seed).
@@ -79,7 +97,7 @@ def train_engine(strategy, data, args, out):
     batches = iter(train_batches(data.train, strategy.num_learners * BATCH, epoch=1, seed=3,
                                  map_fn=data.train_map, rows=rows))
     model = fresh_model(strategy, data)
-    engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SMA(), strategy)
+    engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), rule, strategy)
     save(out + ".initial.npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]])
     losses = []
     with strategy.cluster.guard() if strategy.cluster else contextlib.nullcontext():
@@ -87,8 +105,10 @@ def train_engine(strategy, data, args, out):
             x, y, mask, *count = next(batches)
             loss, _ = engine.train_step(x, y, mask, 0.05, *count)
             losses.append(float(loss))
+    local = (_collectives_per_step(engine, x, y, mask, *count, step=engine._local_step)
+             if engine.algorithm.synchronisation_period > 1 else -1)
     save(out + ".npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]], losses,
-         collectives=_collectives_per_step(engine, x, y, mask, *count))
+         collectives=_collectives_per_step(engine, x, y, mask, *count), local_collectives=local)
 
 
 def train_keras(strategy, data, args, out):

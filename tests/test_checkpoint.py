@@ -30,7 +30,6 @@ from crossbow_tf.engine.schedule import StepSchedule
 from crossbow_tf.engine.trainer import train
 from crossbow_tf.engine.signals import StopSignals
 from crossbow_tf.errors import TrainingDiverged, TrainingInterrupted
-from crossbow_tf.models import MODELS
 from crossbow_tf.results import RunResults
 from crossbow_tf.run import main, parse_args
 from crossbow_tf.run import run as run_command
@@ -101,7 +100,7 @@ def write_config(path, **settings):
 def tiny_config(tmp_path, name="run.yaml", **overrides):
     """A config of the bn_dropout model on tiny MNIST: 2 devices x 2 learners of 8, 20 iterations per
     epoch, a step drop of the learning rate at epoch 2 (learners restart from z there)."""
-    settings = dict(name="tiny", model="bn_dropout", data={"name": "mnist", "data_dir": tiny_mnist(tmp_path / "mnist")},
+    settings = dict(name="tiny", model=f"{DRIVER}:bn_dropout", data={"name": "mnist", "data_dir": tiny_mnist(tmp_path / "mnist")},
                     devices={"logical_cpu": 2}, learners_per_device=2, batch_size=8,
                     learning_rate={"base": 0.05, "drops_at_epochs": [2]}, epochs=3, seed=3)
     settings.update(overrides)
@@ -336,11 +335,9 @@ def test_non_finite_learner_is_named_and_rollback_recovers(cpu_devices, tmp_path
 
 # --- configuration and the Keras path --------------------------------------------------------------
 
-def test_sigint_at_an_epoch_end_then_resume_with_more_epochs(tmp_path, capsys, monkeypatch):
+def test_sigint_at_an_epoch_end_then_resume_with_more_epochs(tmp_path, capsys):
     """SIGINT stops at the next boundary (exit code 130). More epochs are not part of the trajectory:
     resuming with them continues. (In this process: the test session's 4 devices.)"""
-    from bn_dropout_run import bn_dropout
-    monkeypatch.setitem(MODELS, "bn_dropout", bn_dropout)
     config = tiny_config(tmp_path, devices={"logical_cpu": 4}, learners_per_device=1, epochs=2)
     checkpoints = str(tmp_path / "c")
 

@@ -51,7 +51,7 @@ def finish(proc, timeout):
 
 def load(path):
     with np.load(path) as f:
-        return [f[name] for name in f.files if name not in ("losses", "collectives")], f["losses"]
+        return [f[name] for name in f.files if name not in ("losses", "collectives", "local_collectives")], f["losses"]
 
 
 def test_one_cross_worker_all_reduce_per_iteration(trained):
@@ -64,10 +64,12 @@ def test_one_cross_worker_all_reduce_per_iteration(trained):
 def trained(tmp_path_factory):
     """2 workers x 2 logical devices x 2 learners, and one process with 4 devices x 2 learners, each
     through the engine as the trainer feeds it (each worker reads only its own rows of every
-    iteration; 5 iterations) and then through Keras's fit (every worker reads whole iterations; 5 steps)."""
+    iteration; 5 iterations) and then through Keras's fit (every worker reads whole iterations; 5 steps).
+    Through the engine also with rules that synchronise every third iteration (at iteration 2):
+    decoupled SMA and DiLoCo's local SGD."""
     out = tmp_path_factory.mktemp("multiworker")
     configs, _ = cluster_configs(2)
-    common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5"]
+    common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5", "--rules", "sma", "sma_h3", "diloco_h3"]
     procs = [start([WORKER_SCRIPT, "both", str(out / f"worker{i}"), "--devices", "2", *common],
                    configs[i]) for i in range(2)]
     procs.append(start([WORKER_SCRIPT, "both", str(out / "single"), "--devices", "4", *common]))
@@ -75,6 +77,30 @@ def trained(tmp_path_factory):
         code, _, err = finish(proc, timeout=240)
         assert code == 0, err[-3000:]
     return out
+
+
+@pytest.mark.parametrize("rule", ["sma_h3", "diloco_h3"])
+def test_a_period_needs_one_cross_worker_all_reduce_per_synchronisation_and_none_between(trained, rule):
+    """The synchronising step holds exactly one cross-worker all-reduce and the local step none; the
+    workers' z stays the same bits, equal to one process holding all the learners."""
+    for name in ("worker0", "worker1", "single"):
+        with np.load(trained / f"{name}.engine_{rule}.npz") as f:
+            assert int(f["collectives"]) == (0 if name == "single" else 1)
+            assert int(f["local_collectives"]) == 0
+    worker0, losses0 = load(trained / f"worker0.engine_{rule}.npz")
+    worker1, losses1 = load(trained / f"worker1.engine_{rule}.npz")
+    single, single_losses = load(trained / f"single.engine_{rule}.npz")
+    for a, b in zip(worker0, worker1):
+        assert np.array_equal(a, b)
+    for a, c in zip(worker0, single):
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+    initial, _ = load(trained / f"single.engine_{rule}.initial.npz")
+    assert max(float(np.max(np.abs(a - c))) for a, c in zip(single, initial)) > 1e-4
+    # At a synchronisation the loss is the whole iteration's, the same on both workers; between
+    # them each worker reports its own learners' loss.
+    np.testing.assert_array_equal(losses0[2], losses1[2])
+    np.testing.assert_allclose(losses0[2], single_losses[2], rtol=1e-5)
+    assert not np.array_equal(losses0[[0, 1, 3, 4]], losses1[[0, 1, 3, 4]])
 
 
 @pytest.mark.parametrize("path", ["engine", "keras"])

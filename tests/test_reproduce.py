@@ -246,3 +246,55 @@ def test_verdict_rows_follow_the_numbers_when_nothing_or_only_sma_reaches_the_la
     # Until every series has finished the largest G, the TTA claim is not decided.
     rows, _ = study_report.verdict(spec, cells, {**small, ("ssgd", 64): _stats(None, 0.48)}, bench)
     assert [v for claim, v, _, _ in rows if claim.startswith("TTA")] == ["not yet measured"]
+
+
+def test_a_run_from_before_the_stability_guard_is_the_same_run_with_allow_unstable():
+    """allow_unstable only permits: a finished run written before the key existed (and past the bound)
+    is reused when the series now sets it."""
+    import harness
+    unstable = {"learners_per_device": 32, "algorithm.alpha": 0.115}
+    with pytest.raises(ConfigError, match=r"the central loop is unstable: its central step k\*alpha = 32\*0.115"):
+        harness.run_config(EXPERIMENT, {}, "sma", unstable, seed=0, target=0.5, epochs=2, where="t")
+    new, _ = harness.run_config(EXPERIMENT, {}, "sma", dict(unstable, **{"algorithm.allow_unstable": True}),
+                                seed=0, target=0.5, epochs=2, where="t")
+    older = json.loads(json.dumps(new))
+    for key in ("allow_unstable", "central_step", "sync_period", "period", "outer_learning_rate"):
+        del older["algorithm"][key]
+    assert harness.same_run(yaml.safe_dump(older, sort_keys=False), yaml.safe_dump(new, sort_keys=False))
+    older["algorithm"]["alpha"] = 0.1
+    assert not harness.same_run(yaml.safe_dump(older, sort_keys=False), yaml.safe_dump(new, sort_keys=False))
+
+
+def test_beyond_crossbow_verdict_compares_each_averaging_method_with_tuned_ssgd():
+    import study_report
+    spec, cells = plan(sweep(
+        ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+        sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]}),
+        decoupled=dict(method="sma", batch_size=16, beyond_crossbow=True, global_batches=[64],
+                       grid=[{"algorithm.alpha": 0.3, "algorithm.central_step": 1.0},
+                             {"algorithm.alpha": 0.5, "algorithm.central_step": 1.0}]),
+        local=dict(method="localsgd", batch_size=16, global_batches=[64],
+                   grid={"algorithm.period": [1, 4]})))
+    assert [c.series.beyond_crossbow for c in cells if c.global_batch == 64] == [False, False, True, True]
+    states = {(c.series.name, c.global_batch): dict(cell=c, trials=[], final={}, searched=True, best=None)
+              for c in cells}
+    finished = {("ssgd", 64): _stats(None, 0.48), ("sma", 64): _stats(None, 0.41),
+                ("decoupled", 64): _stats(None, 0.47), ("local", 64): _stats(None, 0.50)}
+    rows, tables = study_report.beyond_crossbow(spec, cells, finished, states)
+    [(claim, verdict, numbers, _)] = rows                       # only G=64 has a method beyond Crossbow
+    assert claim.endswith("sooner than tuned S-SGD at G=64")
+    assert verdict == "yes: local"                              # S-SGD never reaches: a higher best accuracy
+    assert "tuned S-SGD ssgd not reached, best acc 0.4800 [0.4700–0.4800]" in numbers
+    assert [row[0] for row in tables[64]] == ["ssgd (tf_ssgd)", "sma (SMA, b=16)", "decoupled (SMA beyond Crossbow, b=16)",
+                                             "local (local SGD, b=16)"]
+    # S-SGD reaches in 2 epochs: only fewer epochs count.
+    rows, _ = study_report.beyond_crossbow(spec, cells, {**finished, ("ssgd", 64): _stats(2, 0.55),
+                                                         ("local", 64): _stats(2, 0.56), ("decoupled", 64): _stats(1, 0.52)},
+                                           states)
+    assert rows[0][1] == "yes: decoupled"
+    rows, _ = study_report.beyond_crossbow(spec, cells, {k: v for k, v in finished.items() if k[0] != "local"}, states)
+    assert rows[0][1] == "not yet measured"
+    # The paper's rows leave the methods beyond Crossbow out.
+    paper, _ = study_report.verdict(spec, cells, {**finished, ("ssgd", 32): _stats(2, 0.6), ("sma", 32): _stats(2, 0.6),
+                                                  ("decoupled", 64): _stats(1, 0.9)}, {})
+    assert "decoupled" not in " ".join(numbers for _, _, numbers, _ in paper)

@@ -12,6 +12,12 @@ step, and the bytes that cross the network per iteration: a ring all-reduce over
 
     python tools/bench_multiworker.py                       # LeNet and ResNet-32, 2 devices x 2 learners
     python tools/bench_multiworker.py --models lenet --iterations 50
+    python tools/bench_multiworker.py --models lenet --sync-periods 1 4 16 --no-projection
+
+With --sync-periods, SMA synchronises every H-th iteration (SMA(sync_period=H)); the iterations
+between synchronisations run the learners' own steps with no collective, so the bytes per
+iteration are the all-reduce's divided by H, and the time per iteration is the mean over whole
+periods (the median would pick a local step).
 
 It ends with an on-paper projection for ResNet-50 on 8 workers x 8 GPUs: the packed bytes of our
 ResNet-50 (counted from the model), the ring all-reduce's bytes per worker at 25 and 100 Gb/s,
@@ -41,6 +47,8 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=16, help="per-learner batch b")
     p.add_argument("--iterations", type=int, default=30, help="timed iterations (median reported)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--sync-periods", type=int, nargs="+", default=[1],
+                   help="SMA's synchronisation periods H to measure (iterations and warm-up are rounded up to whole periods)")
     p.add_argument("--images-per-gpu", type=int, default=128,
                    help="projection: images per GPU per iteration (m learners x b), default 4 x 32")
     p.add_argument("--gpu-images-per-second", type=float, nargs="+", default=[412.0, 1270.0],
@@ -50,8 +58,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.devices < 2 or args.devices % 2:
         p.error("--devices must be even (the 2-worker run gives each worker half)")
-    if min(args.learners_per_device, args.batch_size, args.iterations, args.warmup) < 1:
-        p.error("--learners-per-device, --batch-size, --iterations and --warmup must be at least 1")
+    if min(args.learners_per_device, args.batch_size, args.iterations, args.warmup, *args.sync_periods) < 1:
+        p.error("--learners-per-device, --batch-size, --iterations, --warmup and --sync-periods must be at least 1")
     return args
 
 
@@ -73,20 +81,25 @@ def run_worker(args):
     input_shape, classes = SHAPES[spec["model"]]
     keras.utils.set_random_seed(0)
     model = build_model(spec["model"], input_shape, classes)
-    engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SMA(), strategy)
+    period = spec.get("sync_period", 1)
+    engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SMA(sync_period=period),
+                    strategy)
     n = strategy.num_learners * args.batch_size
     rng = np.random.default_rng(0)
     x = tf.constant(rng.random((n,) + input_shape, dtype=np.float32))
     y = tf.constant(rng.integers(0, classes, n).astype(np.int32))
     mask = tf.ones([n])
 
-    def timed(function, count):
+    def timed(function, count, mean=False):
         times = []
         for _ in range(count):
             start = time.perf_counter()
             function()
             times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.fmean(times) if mean else statistics.median(times)
+
+    def whole_periods(count):
+        return -(-count // period) * period
 
     def step():
         loss, _ = engine.train_step(x, y, mask, 0.01)
@@ -94,8 +107,8 @@ def run_worker(args):
 
     guard = strategy.cluster.guard() if strategy.cluster else _NoGuard()
     with guard:
-        timed(step, args.warmup)
-        step_time = timed(step, args.iterations)
+        timed(step, whole_periods(max(args.warmup, period + 1)))   # traces both steps
+        step_time = timed(step, whole_periods(args.iterations), mean=period > 1)
         nbytes = packed_bytes(model)
         reduce_time = None
         if strategy.cluster is not None:
@@ -110,7 +123,8 @@ def run_worker(args):
             reduce_time = timed(all_reduce, args.iterations)
     if strategy.is_chief:
         print("RESULT " + json.dumps({"step": step_time, "all_reduce": reduce_time, "bytes": nbytes,
-                                      "workers": strategy.num_workers, "k": strategy.num_learners}), flush=True)
+                                      "workers": strategy.num_workers, "k": strategy.num_learners,
+                                      "sync_period": period}), flush=True)
 
 
 class _NoGuard:
@@ -121,10 +135,10 @@ class _NoGuard:
         return False
 
 
-def launch(args, model, workers):
+def launch(args, model, workers, sync_period=1):
     """Runs one layout (WORKERS processes); returns the chief's measurements."""
     from crossbow_tf.distribute.cluster import local_tf_configs
-    spec = json.dumps({"model": model, "devices": args.devices // workers})
+    spec = json.dumps({"model": model, "devices": args.devices // workers, "sync_period": sync_period})
     command = [sys.executable, os.path.abspath(__file__), "--worker", spec,
                "--learners-per-device", str(args.learners_per_device), "--batch-size", str(args.batch_size),
                "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
@@ -155,18 +169,21 @@ def main(argv=None):
         return run_worker(args)
     m, d = args.learners_per_device, args.devices
     print(f"SMA step, {args.batch_size} examples per learner, k = {d * m} learners in both layouts; "
-          f"median of {args.iterations} iterations after {args.warmup} of warm-up")
-    print(f"{'model':<9} {'layout':<26} {'ms/iteration':>12} {'all-reduce ms':>13} {'share':>6} "
+          f"median of {args.iterations} iterations after {args.warmup} of warm-up "
+          "(for H > 1 the mean over whole periods)")
+    print(f"{'model':<9} {'H':>3} {'layout':<26} {'ms/iteration':>12} {'all-reduce ms':>13} {'share':>6} "
           f"{'packed MB':>9} {'network MB/iteration/worker':>27}")
     for model in args.models:
-        for workers in (1, 2):
-            r = launch(args, model, workers)
-            layout = f"{workers} worker{'s' if workers > 1 else ''} x {d // workers} dev x {m}"
-            reduce_ms = "" if r["all_reduce"] is None else f"{1000 * r['all_reduce']:.1f}"
-            share = "" if r["all_reduce"] is None else f"{r['all_reduce'] / r['step']:.0%}"
-            network = ring_bytes(r["bytes"], workers) / 1e6
-            print(f"{model:<9} {layout:<26} {1000 * r['step']:>12.1f} {reduce_ms:>13} {share:>6} "
-                  f"{r['bytes'] / 1e6:>9.2f} {network:>27.2f}", flush=True)
+        for period in args.sync_periods:
+            for workers in (1, 2):
+                r = launch(args, model, workers, period)
+                layout = f"{workers} worker{'s' if workers > 1 else ''} x {d // workers} dev x {m}"
+                reduce_ms = "" if r["all_reduce"] is None else f"{1000 * r['all_reduce']:.1f}"
+                # One all-reduce per synchronisation: 1/H of the iterations.
+                share = "" if r["all_reduce"] is None else f"{r['all_reduce'] / period / r['step']:.0%}"
+                network = ring_bytes(r["bytes"], workers) / period / 1e6
+                print(f"{model:<9} {period:>3} {layout:<26} {1000 * r['step']:>12.1f} {reduce_ms:>13} {share:>6} "
+                      f"{r['bytes'] / 1e6:>9.2f} {network:>27.2f}", flush=True)
     if args.projection:
         project_resnet50(args)
     return 0

@@ -123,9 +123,13 @@ def _cell_text(stats, cap, what="epochs", progress=None):
     return f"{harness.fmt_stat(stats[what], digits, 'n/r')} ({n})"
 
 
+METHOD_WORDS = {"sma": "SMA", "localsgd": "local SGD", "easgd": "EASGD", "crossbow_ssgd": "Crossbow S-SGD"}
+
+
 def _series_label(series):
-    if series.method == "sma":
-        return f"{series.name} (SMA, b={series.batch_size})"
+    if series.method in METHOD_WORDS and series.batch_size:
+        beyond = " beyond Crossbow" if series.beyond_crossbow and series.method == "sma" else ""
+        return f"{series.name} ({METHOD_WORDS[series.method]}{beyond}, b={series.batch_size})"
     if series.untuned:
         return f"{series.name} ({series.method}, untuned reference)"
     return f"{series.name} ({series.method})"
@@ -155,8 +159,9 @@ def verdict(spec, cells, stats, bench):
         return s["epochs"][0] if s["epochs"][0] is not None else float("inf")
 
     ssgd = list(dict.fromkeys(c.series.name for c in cells if c.series.method == "tf_ssgd" and not c.series.untuned))
-    sma = list(dict.fromkeys(c.series.name for c in cells if c.series.method == "sma"))
-    names = sorted({c.series.name for c in cells if not c.series.untuned})
+    # The paper's claims are about Crossbow's SMA: the methods beyond it have their own verdict row.
+    sma = list(dict.fromkeys(c.series.name for c in cells if c.series.method == "sma" and not c.series.beyond_crossbow))
+    names = sorted({c.series.name for c in cells if not c.series.untuned and not c.series.beyond_crossbow})
 
     def best(names_, g):
         values = [(epochs_of(n, g), n) for n in names_ if epochs_of(n, g) is not None]
@@ -252,6 +257,102 @@ def verdict(spec, cells, stats, bench):
     return rows, tta
 
 
+AVERAGING_METHODS = ("sma", "easgd", "localsgd")
+BEYOND_CLAIM = ("an averaging method reaches the target (or a higher best accuracy within the cap) sooner than "
+                "tuned S-SGD")
+
+
+def final_distance(state):
+    """Median over the best trial's finished seeds of the learners' mean distance to z at the last epoch."""
+    values = [r[1][-1].get("learner_distance") for r in state["final"].values() if r is not None and r[1]]
+    values = [v for v in values if v is not None]
+    return harness.seed_statistics(values)[0] if values else None
+
+
+def beyond_crossbow(spec, cells, stats, states):
+    """(verdict rows, {G: table rows}) of the averaging methods against tuned S-SGD at the points
+    where a method beyond Crossbow ran. A method is sooner when its median epochs to target are
+    fewer than S-SGD's; where S-SGD does not reach the target, when it reaches it or ends with a
+    higher median best accuracy within the cap."""
+    points = sorted({c.global_batch for c in cells if c.series.beyond_crossbow})
+    ssgd = list(dict.fromkeys(c.series.name for c in cells if c.series.method == "tf_ssgd" and not c.series.untuned))
+    averaging = list(dict.fromkeys(c.series.name for c in cells
+                                   if c.series.method in AVERAGING_METHODS and not c.series.untuned))
+    series = {c.series.name: c.series for c in cells}
+    rows, tables = [], {}
+    for g in points:
+        at = [n for n in ssgd + averaging if (n, g) in states]
+        table = []
+        for n in at:
+            st, stat = states[(n, g)], stats.get((n, g))
+            table.append([_series_label(series[n]), _cell_text(stat, spec.epochs, progress=search_progress(spec, st)),
+                          harness.fmt_stat(stat["best_accuracy"], 4) if stat else "–",
+                          harness.fmt(final_distance(st), 3) if series[n].method != "tf_ssgd" else "",
+                          stat["setting"] if stat else "–"])
+        tables[g] = table
+        complete = all(stats.get((n, g)) and stats[(n, g)]["complete"] for n in at)
+        s_name = min((n for n in ssgd if stats.get((n, g))), default=None,
+                     key=lambda n: (stats[(n, g)]["epochs"][0] or float("inf"), -(stats[(n, g)]["best_accuracy"][0] or 0)))
+        if s_name is None or not complete:
+            rows.append((f"{BEYOND_CLAIM} at G={g}", "not yet measured",
+                         f"{sum(1 for n in at if stats.get((n, g)) and stats[(n, g)]['complete'])} of {len(at)} series "
+                         "finished (searched and replicated)", "the point has not finished"))
+            continue
+        s_epochs, s_acc = stats[(s_name, g)]["epochs"][0], stats[(s_name, g)]["best_accuracy"][0]
+
+        def sooner(n):
+            e, a = stats[(n, g)]["epochs"][0], stats[(n, g)]["best_accuracy"][0]
+            if s_epochs is not None:
+                return e is not None and e < s_epochs
+            return e is not None or (a is not None and a > s_acc)
+        winners = [n for n in averaging if (n, g) in stats and sooner(n)]
+
+        def said(n):
+            st = stats[(n, g)]
+            reach = f"{harness.fmt_stat(st['epochs'], None, 'n/r')} epochs" if st["epochs"][0] is not None else "not reached"
+            distance = final_distance(states[(n, g)])
+            return (f"{n} {reach}, best acc {harness.fmt_stat(st['best_accuracy'], 4)}"
+                    + (f", distance to z {distance:.3g}" if distance is not None else "") + f" ({st['setting']})")
+        rows.append((f"{BEYOND_CLAIM} at G={g}", ("yes: " + ", ".join(winners)) if winners else "no",
+                     f"tuned S-SGD {said(s_name)}; " + "; ".join(said(n) for n in averaging if (n, g) in stats),
+                     "epochs to target (median over seeds), or where S-SGD does not reach it in "
+                     f"{spec.epochs} epochs, reaching it or a higher median best accuracy; every series had the "
+                     "same search budget at this point"))
+    return rows, tables
+
+
+def plot_best_accuracy(stats, series, points, spec, path):
+    """Median best accuracy within the cap against G per series: where epochs to target sit at the
+    cap, this still separates the methods."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, s in enumerate(series):
+        pts = [(g, stats[(s.name, g)]["best_accuracy"]) for g in points if stats.get((s.name, g))
+               and stats[(s.name, g)]["best_accuracy"][0] is not None]
+        if not pts:
+            continue
+        gs, meds = [g for g, _ in pts], [a[0] for _, a in pts]
+        low = [m - a[1] for m, (_, a) in zip(meds, pts)]
+        high = [a[2] - m for m, (_, a) in zip(meds, pts)]
+        ax.errorbar(gs, meds, yerr=[low, high], fmt="o", color=f"C{i}", capsize=3, label=_series_label(s),
+                    linestyle="--" if s.beyond_crossbow else "-")
+    ax.axhline(spec.target, color="gray", linestyle=":", linewidth=1, label=f"target {spec.target:.0%}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch G")
+    ax.set_ylabel(f"best test accuracy within {spec.epochs} epochs (median, range over seeds)")
+    ax.set_ylim(bottom=max(0.0, min([spec.target - 0.15] + [
+        stats[(s.name, g)]["best_accuracy"][1] for s in series for g in points
+        if stats.get((s.name, g)) and stats[(s.name, g)]["best_accuracy"][1] is not None and
+        stats[(s.name, g)]["best_accuracy"][1] > 0.5])))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_tta(stats, cells, spec, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -342,7 +443,7 @@ def build_report(out, spec, cells, experiment, args):
 
     why = []
     for (name, g), st in states.items():
-        if st["cell"].series.method != "sma" or not st["final"]:
+        if st["cell"].series.method not in AVERAGING_METHODS or not st["final"]:
             continue
         run = next((r for r in st["final"].values() if r is not None and r[1]), None)
         if run is None:
@@ -386,6 +487,24 @@ def build_report(out, spec, cells, experiment, args):
     plot_tta(stats, cells, spec, os.path.join(out, "tta_vs_G.png"))
     largest = max(points)
     plot_largest(states, spec, largest, os.path.join(out, "accuracy_vs_epochs_largest_G.png"))
+    plot_best_accuracy(stats, series, points, spec, os.path.join(out, "best_accuracy_vs_G.png"))
+    beyond_rows, beyond_tables = beyond_crossbow(spec, cells, stats, states)
+    beyond_md = harness.markdown_table(["claim", "verdict", "numbers", "how measured"], [list(r) for r in beyond_rows])
+    beyond_parts = []
+    if beyond_rows:
+        beyond_parts = [
+            "## Beyond Crossbow: averaging methods whose pull is not capped by the central loop", "",
+            "Crossbow's SMA couples the learners' pull alpha and the central step beta = k*alpha, and its central "
+            "loop is stable only while beta < (1 + mu_z)(2 - alpha), so at large k alpha cannot pass about 3.6/k. "
+            "Decoupled SMA takes Delta = beta * mean_j (s_j - z) with beta below that bound and alpha free; local "
+            "SGD restarts every learner from z after each synchronisation (period H; an outer optimizer on "
+            "z - mean_j w_j, DiLoCo's with outer momentum). Same budgets as every searched series.", "",
+            beyond_md, ""]
+        for g, table in beyond_tables.items():
+            beyond_parts += [f"At G={g}:", "", harness.markdown_table(
+                ["series", "epochs to target", "best accuracy, median [range]", "learners' distance to z (last epoch)",
+                 "best coupling / setting"], table), ""]
+        beyond_parts += ["![best accuracy within the cap against G](best_accuracy_vs_G.png)", ""]
 
     finished = sum(1 for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None) + \
         sum(1 for st in states.values() for s, r in st["final"].items() if r is not None and
@@ -409,6 +528,7 @@ def build_report(out, spec, cells, experiment, args):
         "## Verdict", "", verdict_md, "",
         *(["Read the verdict with the protocol notes under Half 1: they say where the protocol was not "
            "what it was planned to be.", ""] if spec.notes else []),
+        *beyond_parts,
         "## Half 1: statistical efficiency (epochs to target)", "",
         f"Target {spec.target:.0%} test accuracy on the whole test split, at most {spec.epochs} epochs per run. "
         + budget_line + " Cells: median [min–max] epochs over the seeds (reached/seeds); a series that does not "
@@ -453,9 +573,10 @@ def build_report(out, spec, cells, experiment, args):
     summary = dict(machine=machine, finished_runs=finished, planned_runs=planned,
                    cells={f"{n}@{g}": s for (n, g), s in stats.items()},
                    verdict=[dict(zip(("claim", "verdict", "numbers", "reason"), r)) for r in rows],
+                   beyond_crossbow=[dict(zip(("claim", "verdict", "numbers", "reason"), r)) for r in beyond_rows],
                    tta=[dict(zip(("global_batch", "measured_ratio", "projected_ratio", "ssgd_epochs", "sma_epochs"),
                                  (g, m, p, None if e_s == float("inf") else e_s, None if e_m == float("inf") else e_m)))
                         for g, m, p, e_s, e_m in tta],
                    bench={f"b{b}@{g}": row for (b, g), row in bench.items()})
     harness.write_json(os.path.join(out, "summary.json"), summary)
-    return dict(verdict_markdown=verdict_md, summary=summary)
+    return dict(verdict_markdown=verdict_md, beyond_markdown=beyond_md if beyond_rows else "", summary=summary)
