@@ -92,7 +92,7 @@ class ExperimentConfig:
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
     learners_per_device: typing.Union[int, str] = 1   # m, or "auto": measured before training
     autotune: AutotuneConfig = dataclasses.field(default_factory=AutotuneConfig)
-    batch_size: int = 16                     # b: the batch of one learner
+    batch_size: int = 16                     # b: the batch of one learner (Crossbow's; Keras fit's batch_size is k*b)
     learning_rate: LearningRateConfig = dataclasses.field(default_factory=LearningRateConfig)
     # The learners' Keras optimizer, {name: adam, beta_1: 0.9, ...} (keras.optimizers.get's names and the
     # optimizer's own arguments; the rate is learning_rate's). null: momentum SGD with algorithm.momentum.
