@@ -318,9 +318,10 @@ class FusedLearners:
         if _is_submodel(layer):
             return self._run(_graph_of(layer), inputs)
         inputs = [_layer_input(layer, x) for x in inputs]
-        self._read_dtype = tf.as_dtype(_weight_dtype(layer)) if _weight_dtype(layer) else None
+        dtype = _weight_dtype(layer)
+        self._read_dtype = None if dtype is None else tf.as_dtype(dtype)
         try:
-            with AutocastScope(_weight_dtype(layer)):
+            with AutocastScope(dtype):
                 return self._apply_layer(layer, inputs)
         finally:
             self._read_dtype = None
