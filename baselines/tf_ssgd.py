@@ -293,7 +293,8 @@ def train(cfg, opts, log=print):
         f"stock TensorFlow S-SGD: {kind}, Keras fit + {describe_optimizer(cfg)}, "
         f"batch {cfg.batch_size} per device (global {global_batch}), peak lr {schedule.peak:.4g}"
         f"{f' (linear scaling x{scale:.3g})' if opts['lr_scaling'] == 'linear' else ''}, "
-        f"{per_epoch} iterations per epoch, input {opts['input']}")
+        f"{per_epoch} iterations per epoch, input {opts['input']}"
+        f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision} ({type(model.optimizer).__name__})'}")
 
     results = RunResults("tf_ssgd", to_dict(cfg), devices=devices, num_learners=replicas,
                          global_batch=global_batch, tf_ssgd_options=opts)

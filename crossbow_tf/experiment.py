@@ -219,7 +219,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
         f"{engine.algorithm.name} with k={strategy.num_learners} learners "
         f"({_placement(strategy)}), batch {cfg.batch_size} per learner, "
-        f"{per_epoch} iterations per epoch, cross-device reduction: {strategy.reduction_name}")
+        f"{per_epoch} iterations per epoch, cross-device reduction: {strategy.reduction_name}"
+        f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision}'}")
     results = RunResults(engine.algorithm.name, to_dict(cfg), devices=strategy.devices,
                          num_learners=strategy.num_learners)
     if cluster is not None:

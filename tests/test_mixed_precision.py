@@ -182,7 +182,7 @@ def test_the_cli_trains_under_mixed_bfloat16_and_records_it(tmp_path):
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(results.read_text())
-    assert d["config"]["precision"] == "mixed_bfloat16"
+    assert d["config"]["precision"] == "mixed_bfloat16" and ", precision mixed_bfloat16" in proc.stdout
     assert d["evaluations"][-1]["accuracy"] > 0.85   # float32: 0.92 after this one epoch
 
 
@@ -202,6 +202,7 @@ def test_tf_ssgd_runs_as_a_keras_user_runs_it(tmp_path, capsys, policy, optimize
     assert main(["--config", cfg, "--precision", policy, "--results", str(results)]) == 0
     d = json.loads(results.read_text())
     assert d["config"]["precision"] == policy and d["compiled_optimizer"].endswith(f".{optimizer}")
+    assert f", precision {policy} ({optimizer})" in capsys.readouterr().out
     assert d["evaluations"][-1]["accuracy"] > 0.8
 
 
