@@ -329,3 +329,38 @@ def test_use_sma_refuses_a_rule_that_contradicts_the_compiled_optimizer(cpu_devi
         use_sma(model, strategy, algorithm=SMA(alpha=1.0))   # 2 x 1.0 >= 1.9 x 1.0
     with pytest.raises(ValueError, match="set them in the rule"):
         use_sma(model, strategy, algorithm=SMA(), alpha=0.1)
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm, message", [
+    ({"name": "sma", "alpha": 0.1}, r"algorithm: the central loop is unstable: its central step k\*alpha = 128\*0.1 = "
+                                    r"12.8 is at or past the bound \(1 \+ mu_z\)\(2 - alpha\) = 3.61 .*just below 0.02925"),
+    ({"name": "sma", "alpha": 0.3, "central_step": 3.3}, r"central step beta = 3.3 is at or past the bound"),
+    ({"name": "easgd", "alpha": 0.02}, r"the central loop is unstable: .*128\*0.02 = 2.56 .*no central momentum"),
+    ({"name": "sma", "period": 4}, r"algorithm.period: applies to localsgd, not to sma"),
+    ({"name": "localsgd", "central_step": 1.0}, r"algorithm.central_step: applies to sma, not to localsgd"),
+    ({"name": "ssgd", "sync_period": 2}, r"algorithm.sync_period: applies to sma and easgd, not to ssgd"),
+    ({"name": "localsgd", "allow_unstable": True}, r"algorithm.allow_unstable: applies to sma and easgd"),
+    ({"name": "sma", "sync_period": 0}, r"algorithm.sync_period: must be at least 1"),
+    ({"name": "localsgd", "outer_momentum": 1.0}, r"algorithm.outer_momentum: must be in \[0, 1\)"),
+])
+def test_the_command_line_refuses_with_one_line_and_exit_2(algorithm, message, tmp_path, capsys):
+    import yaml
+    from crossbow_tf.run import main
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(devices={"logical_cpu": 2}, learners_per_device=64, batch_size=8,
+                                        algorithm=algorithm)))
+    assert main(["--config", str(path), "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("crossbow_tf: error: ")
+    assert __import__("re").search(message, err), err
+
+
+def test_allow_unstable_lets_the_command_line_check_pass(tmp_path, capsys):
+    import yaml
+    from crossbow_tf.run import main
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(dict(devices={"logical_cpu": 2}, learners_per_device=64, batch_size=8,
+                                        algorithm={"name": "sma", "alpha": 0.1, "allow_unstable": True})))
+    assert main(["--config", str(path), "--check"]) == 0
