@@ -3,7 +3,6 @@ stateless_call) compute under mixed_bfloat16 and mixed_float16, in the lower pre
 learners' weights, velocities, z and u stay float32; the precision key of the run, the baselines
 and the harness; mixed_float16 refused for the engine until it has loss scaling."""
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -210,9 +209,7 @@ def test_mixed_float16_is_refused_for_engine_methods_in_one_line(tmp_path, capsy
     from baselines.crossbow_ssgd import main as crossbow_ssgd
     from crossbow_tf.run import main as run
     from crossbow_tf.errors import ConfigError
-    spec = importlib.util.spec_from_file_location("tools_harness", os.path.join(REPO, "tools", "harness.py"))
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    import crossbow_tf.compare as harness
     run_config = harness.run_config
     cfg = write(tmp_path / "c.yaml", experiment())
     for main, prog in ((run, "crossbow_tf"), (crossbow_ssgd, "python -m baselines.crossbow_ssgd")):
@@ -228,13 +225,20 @@ def test_mixed_float16_is_refused_for_engine_methods_in_one_line(tmp_path, capsy
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--precision: invalid choice: 'float8'" in err
     bad = write(tmp_path / "bad.yaml", experiment(precision="bfloat16"))
     assert run(["--config", bad]) == 2 and "precision: unknown 'bfloat16'" in capsys.readouterr().err
-    # The harness: a key like any other, refused at planning time for the engine's methods only.
-    full, _ = run_config(experiment(), {}, "tf_ssgd", {"precision": "mixed_float16"}, seed=0, target=0.9, epochs=1,
-                         where="entry")
-    assert full["precision"] == "mixed_float16"
-    assert harness.trial_hparams("tf_ssgd", full, {}, "entry", "t00", 0)["precision"] == "mixed_float16"
-    with pytest.raises(ConfigError, match="entry: precision: mixed_float16 needs loss scaling"):
-        run_config(experiment(), {}, "sma", {"precision": "mixed_float16"}, seed=0, target=0.9, epochs=1, where="entry")
+    # The harness: a key like any other (fixed or in a grid), refused at planning time, before any
+    # run, for the engine's methods only.
+    def plan(methods):
+        doc = dict(experiment(target_accuracy=0.9), compare=dict(budget=2, seeds=[0], methods=methods))
+        return subprocess.run([sys.executable, "tools/compare.py", "--config", write(tmp_path / "compare.yaml", doc),
+                               "--out", str(tmp_path / "out"), "--dry-run"], capture_output=True, text=True,
+                              timeout=120, cwd=REPO)
+    planned = plan({"tf_half": {"method": "tf_ssgd", "fixed": {"precision": "mixed_float16"}},
+                    "sma": {"grid": {"precision": ["float32", "mixed_bfloat16"]}}})
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "precision=mixed_bfloat16" in planned.stdout
+    refused = plan({"sma": {"fixed": {"precision": "mixed_float16"}}, "tf_ssgd": {}})
+    err = refused.stderr.strip()
+    assert refused.returncode == 2 and len(err.splitlines()) == 1 and "mixed_float16 needs loss scaling" in err
     # use_sma: Keras's compile wraps the optimizer in a LossScaleOptimizer under mixed_float16.
     import crossbow_tf
     with global_policy("mixed_float16"):
@@ -268,7 +272,7 @@ def test_fit_under_mixed_bfloat16_reaches_the_accuracy_of_float32(cpu_devices):
                 keras.layers.Dense(10), keras.layers.Activation("linear", dtype="float32")])
             model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS, metrics=["accuracy"])
             crossbow_tf.use_sma(model, CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
-            model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+            model.fit(x, y, batch_size=64, epochs=3, verbose=0)
         assert {v.dtype for v in model.weights} == {"float32"}
         assert model.layers[0].compute_dtype == policy.split("_")[-1]
         accuracy[policy] = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
