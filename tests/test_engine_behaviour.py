@@ -115,3 +115,23 @@ def test_unbuilt_model_is_refused(cpu_devices):
     model = keras.Sequential([keras.layers.Dense(3)])
     with pytest.raises(ValueError, match="not built"):
         Engine(model, LOSS, SMA(), CrossbowStrategy(devices=cpu_devices[:1]))
+
+
+def test_state_no_learner_changes_stays_exactly_zs(cpu_devices):
+    """A Normalization layer's adapted statistics are non-trainable float state that training never
+    writes: with k = 3 learners (a sum of 3 equal values divided by 3 rounds) z keeps them bit for bit."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(3.0, 2.0, size=(24, 5)).astype(np.float32)
+    y = rng.integers(0, 3, size=24).astype(np.int32)
+    keras.utils.set_random_seed(0)
+    norm = keras.layers.Normalization()
+    norm.adapt(x)
+    model = keras.Sequential([keras.Input((5,)), norm, keras.layers.Dense(3)])
+    adapted = [v.numpy().copy() for v in model.non_trainable_variables]
+    engine = Engine(model, LOSS, SMA(), CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=3))
+    for t in range(3):
+        engine.train_step(x[:6], y[:6], None, 0.1)
+    engine.write_center_to_model()
+    assert any(not np.array_equal(a, b) for a, b in zip(engine.center_weights(), engine.learner_weights()[0]))
+    for before, after in zip(adapted, model.non_trainable_variables):
+        assert before.tobytes() == after.numpy().tobytes()

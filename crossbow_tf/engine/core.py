@@ -365,7 +365,11 @@ class Engine:
                             for g, z, s in zip(grads, self.center[d], shares)]
                 else:
                     sums = self.update_learners(d, grads, lr, shares)
-                state_sums = [tf.reduce_sum(s, axis=0) for s, f in zip(new_states, self._float_state) if f]
+                # Each learner's state as its difference from z's: state that no learner changes (a
+                # Normalization layer's adapted statistics) stays exactly z's, where a sum of k equal
+                # values divided by k would round.
+                state_sums = [tf.reduce_sum(s - zs, axis=0) for s, zs, f in
+                              zip(new_states, self.center_states[d], self._float_state) if f]
                 loss_sum = tf.reduce_sum(losses * counts)
                 local.append(dict(states=new_states, sums=sums + state_sums,
                                   loss_sum=loss_sum, preds=preds))
@@ -394,7 +398,7 @@ class Engine:
                     self.states[d][i].assign(s)
                     if self._float_state[i]:
                         # z's BatchNorm statistics are the mean of all learners' statistics.
-                        self.center_states[d][i].assign(next(float_states) / k)
+                        self.center_states[d][i].assign(self.center_states[d][i] + next(float_states) / k)
         if alg.restarts_learners:
             self._reset_fn()
         loss = loss_sum / tf.maximum(total_count, 1.0)
