@@ -401,11 +401,12 @@ def check_fits_data(c, learners=True, train_size=None, devices=None):
             f"examples of {c.data.name}")
 
 
-# Top-level sections that belong to tools/ and baselines/: one YAML file can describe an experiment
-# and its comparison. They split them off (baselines/_cli.py) before validating the experiment; an
-# experiment given to crossbow_tf.run must not hold them, since it would silently not use them.
+# Top-level sections that belong to the harness (crossbow_tf.compare) and baselines/: one YAML file
+# can describe an experiment and its comparison. They split them off (baselines/_cli.py) before
+# validating the experiment; an experiment given to crossbow_tf.run must not hold them, since it
+# would silently not use them.
 TOOL_SECTIONS = ("compare", "sweep", "tf_ssgd")
-SECTION_READERS = {"compare": "tools/compare.py", "sweep": "tools/sweep.py and tools/compare.py",
+SECTION_READERS = {"compare": "crossbow-compare", "sweep": "crossbow-sweep and crossbow-compare",
                    "tf_ssgd": "python -m baselines.tf_ssgd"}
 
 

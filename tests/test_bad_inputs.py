@@ -17,10 +17,8 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
-
-import compare as compare_tool  # noqa: E402
-import sweep as sweep_tool  # noqa: E402
+from crossbow_tf.compare import cli as compare_tool  # noqa: E402
+from crossbow_tf.compare import sweep as sweep_tool  # noqa: E402
 from baselines import crossbow_ssgd, easgd, tf_ssgd  # noqa: E402
 from crossbow_tf import run as run_cli  # noqa: E402
 from crossbow_tf.algorithms import SMA  # noqa: E402
@@ -84,8 +82,8 @@ CASES = [
     Case("config file missing", "run", 2, "config file not found", ("--config", "{dir}/none.yaml")),
     yaml_case("unknown key", "model: lenet\nbogus: 1\n", "bogus: unknown key"),
     yaml_case("compare: section given to run", "model: lenet\ncompare: {seeds: [0]}\n",
-              "compare: this section is read by tools/compare.py, not by crossbow_tf.run"),
-    yaml_case("sweep: section given to run", "sweep: {}\n", "sweep: this section is read by tools/sweep.py"),
+              "compare: this section is read by crossbow-compare, not by crossbow_tf.run"),
+    yaml_case("sweep: section given to run", "sweep: {}\n", "sweep: this section is read by crossbow-sweep"),
     yaml_case("tf_ssgd: section given to run", "tf_ssgd: {input: repeat}\n",
               "tf_ssgd: this section is read by python -m baselines.tf_ssgd"),
     # ---- types and finite numbers
@@ -162,7 +160,7 @@ CASES = [
               args=("--results", "{dir}/r.json"), files={"r.json": "precious"}),
     yaml_case("easgd: --epochs not a number", "model: lenet\n", "argument --epochs: invalid int value", entry="easgd",
               args=("--epochs", "1.5")),
-    # ---- tools/compare.py and tools/sweep.py
+    # ---- crossbow-compare and crossbow-sweep
     yaml_case("compare: budget 0", HARNESS_YAML, "compare.budget: expected a positive int", entry="compare",
               args=("--budget", "0", "--out", "{dir}/report")),
     yaml_case("compare: duplicate key", harness("  budget: 4\n", "  budget: 4\n  budget: 2\n"), "duplicate key 'budget'",
@@ -240,7 +238,7 @@ ENTRY_POINTS = {"run": run_cli.main, "tf_ssgd": tf_ssgd.main, "crossbow_ssgd": c
                 "easgd": easgd.main, "compare": compare_tool.main, "sweep": sweep_tool.main}
 COMMANDS = {"run": "python -m crossbow_tf.run", "tf_ssgd": "python -m baselines.tf_ssgd",
             "crossbow_ssgd": "python -m baselines.crossbow_ssgd", "easgd": "python -m baselines.easgd",
-            "compare": "python tools/compare.py", "sweep": "python tools/sweep.py", "api": "Python API"}
+            "compare": "crossbow-compare", "sweep": "crossbow-sweep", "api": "Python API"}
 OUTCOMES = {}
 
 

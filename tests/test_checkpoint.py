@@ -408,8 +408,7 @@ json.dump(dict(method="sma", config={{}}, environment={{}}, evaluations=evals, n
 
 
 def test_resumed_comparison_continues_a_run_checkpointed_mid_way(tmp_path, monkeypatch):
-    sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "tools"))
-    import harness
+    import crossbow_tf.compare as harness
     fake = tmp_path / "fake_python"
     fake.write_text(FAKE_RUN.format(python=sys.executable))
     fake.chmod(0o755)

@@ -1,5 +1,4 @@
 """The time-to-accuracy harness: TTA on known curves, statistics, config errors, and a tiny real run."""
-import importlib.util
 import json
 import math
 import os
@@ -10,22 +9,11 @@ import time
 import pytest
 import yaml
 
+import crossbow_tf.compare as harness
+from crossbow_tf.compare import cli as compare, sweep
 from crossbow_tf.results import EVALUATION_KEYS, RunResults, format_problems
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS = os.path.join(REPO, "tools")
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", os.path.join(TOOLS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load("harness")
-compare = _load("compare")
-sweep = _load("sweep")
 
 
 def curve(accuracies, epoch_time=1.5):
@@ -190,7 +178,7 @@ TINY = {
 def test_tiny_comparison_end_to_end(tmp_path):
     cfg = write_config(tmp_path / "tiny.yaml", **TINY)
     out = tmp_path / "report"
-    cmd = [sys.executable, os.path.join(TOOLS, "compare.py"), "--config", cfg, "--out", str(out)]
+    cmd = [sys.executable, "-m", "crossbow_tf.compare", "--config", cfg, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "[  4/4]" in proc.stdout and "epoch 1/1  accuracy" in proc.stdout   # progress was shown

@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 import yaml
 
+import crossbow_tf.compare as study
 from crossbow_tf.data import load_dataset
 from crossbow_tf.errors import ConfigError, DataError
 from crossbow_tf.results import first_reaching, reaches
 from test_data_formats import write_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import study  # noqa: E402
 
 
 def fashion_dir(tmp_path, n_train=256, n_test=64, seed=0):
@@ -137,7 +136,7 @@ def test_reproduce_end_to_end_on_tiny_data(tmp_path):
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump(doc))
     out = tmp_path / "report"
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "reproduce.py"), "--config", str(config), "--out", str(out),
+    cmd = [sys.executable, "-m", "crossbow_tf.reproduce", "--config", str(config), "--out", str(out),
            "--data-dir", data, "--bench-rounds", "1", "--bench-examples", "64", "--bn-epochs", "1"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -166,7 +165,7 @@ def test_reproduce_end_to_end_on_tiny_data(tmp_path):
 
 
 def test_data_dir_reaches_every_run_of_every_tool(tmp_path):
-    import harness
+    import crossbow_tf.compare as harness
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(dict(EXPERIMENT, compare=dict(
         budget=1, seeds=[0], methods={"sma": {"grid": {"learning_rate.base": [0.05]}},
@@ -181,20 +180,20 @@ def test_data_dir_reaches_every_run_of_every_tool(tmp_path):
     study_spec = study.parse_study(sections["sweep"], experiment)
     for cell in study.plan_study(study_spec, experiment, sections):
         assert all(exp["data"]["data_dir"] == "/data/fm" for _, _, c in cell.trials for exp, _ in c.values())
-    # tools/sweep.py hands a study-form sweep: section to tools/reproduce.py.
+    # The sweep command (here a checkout's tools/sweep.py) hands a study-form sweep: section to reproduce.
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sweep.py"), "--config", str(config),
                            "--out", str(tmp_path / "s"), "--data-dir", "/data/fm", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "sma G=64 k=4 t01: alpha=0.1" in proc.stdout and "training runs (at most), budget 2" in proc.stdout
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sweep.py"), "--config", str(config),
+    bad = subprocess.run([sys.executable, "-m", "crossbow_tf.compare.sweep", "--config", str(config),
                           "--learners", "4", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "apply to the one-grid sweep form" in bad.stderr
     assert not (tmp_path / "s").exists()
 
 
 def test_a_finished_run_is_reused_when_only_defaults_were_added():
-    import harness
+    import crossbow_tf.compare as harness
     full, _ = harness.run_config(EXPERIMENT, {"tf_ssgd": {}}, "tf_ssgd", {}, seed=0, target=0.5, epochs=2, where="t")
     new = yaml.safe_dump(dict(full, tf_ssgd={"lr_scaling": "linear"}), sort_keys=False)
     older = dict(full, tf_ssgd={"lr_scaling": "linear"})
@@ -207,7 +206,7 @@ def test_a_finished_run_is_reused_when_only_defaults_were_added():
 
 
 def _stats(epochs, accuracy, tta=None, images_per_second=1000.0, seeds=3):
-    """A finished cell's statistics as tools/study_report.cell_stats gives them (epochs None: never reached)."""
+    """A finished cell's statistics as crossbow_tf.compare.study_report.cell_stats gives them (epochs None: never reached)."""
     reached = seeds if epochs is not None else 0
     return dict(seeds=seeds, of=seeds, complete=True, reached=reached, collapsed=0, diverged=0,
                 epochs=(epochs, epochs, epochs), tta=(tta, tta, tta), best_accuracy=(accuracy, accuracy - 0.01, accuracy),
@@ -215,7 +214,7 @@ def _stats(epochs, accuracy, tta=None, images_per_second=1000.0, seeds=3):
 
 
 def test_verdict_rows_follow_the_numbers_when_nothing_or_only_sma_reaches_the_largest_batch():
-    import study_report
+    from crossbow_tf.compare import study_report
     spec, cells = plan(sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
                              sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))
     bench = {(16, 64): dict(sma=500.0, keras_global=1000.0)}
@@ -251,7 +250,7 @@ def test_verdict_rows_follow_the_numbers_when_nothing_or_only_sma_reaches_the_la
 def test_a_run_from_before_the_stability_guard_is_the_same_run_with_allow_unstable():
     """allow_unstable only permits: a finished run written before the key existed (and past the bound)
     is reused when the series now sets it."""
-    import harness
+    import crossbow_tf.compare as harness
     unstable = {"learners_per_device": 32, "algorithm.alpha": 0.115}
     with pytest.raises(ConfigError, match=r"the central loop is unstable: its central step k\*alpha = 32\*0.115"):
         harness.run_config(EXPERIMENT, {}, "sma", unstable, seed=0, target=0.5, epochs=2, where="t")
@@ -266,7 +265,7 @@ def test_a_run_from_before_the_stability_guard_is_the_same_run_with_allow_unstab
 
 
 def test_beyond_crossbow_verdict_compares_each_averaging_method_with_tuned_ssgd():
-    import study_report
+    from crossbow_tf.compare import study_report
     spec, cells = plan(sweep(
         ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
         sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]}),

@@ -82,7 +82,7 @@ def test_unknown_model_is_a_config_error():
         build_model("nope", (28, 28, 1), 10)
 
 
-@pytest.mark.parametrize("section, reader", [("compare", "tools/compare.py"), ("sweep", "tools/sweep.py"),
+@pytest.mark.parametrize("section, reader", [("compare", "crossbow-compare"), ("sweep", "crossbow-sweep"),
                                              ("tf_ssgd", "baselines.tf_ssgd")])
 def test_run_rejects_the_sections_of_other_tools(tmp_path, section, reader):
     """A run would silently not use them: it says which tool reads the section (the tools and the

@@ -1,7 +1,6 @@
 """--tensorboard DIR: the event files of crossbow_tf.run and tf_ssgd hold each epoch's scalars, equal
 to the run's results file; the harness gives every run its own folder and its trial's hparams."""
 import glob
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,14 +13,13 @@ import yaml
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from baselines import tf_ssgd
+from baselines._cli import parse_tf_ssgd_options
+import crossbow_tf.compare as harness
 from crossbow_tf.data import load_embedded_mnist
 from crossbow_tf.run import main as run_main
 from crossbow_tf.tensorboard import ACCURACY_BY_TIME_TAG, LEARNING_RATE_TAG, SCALARS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("tools_harness_tb", os.path.join(REPO, "tools", "harness.py"))
-harness = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(harness)
 
 TINY_MODEL = '''
 import keras
@@ -125,7 +123,7 @@ def test_the_harness_gives_each_run_a_folder_and_its_hparams(folder, monkeypatch
     harness.prepare_out_dir(str(out))
     runner = harness.Runner(str(out), 1, out=open(os.devnull, "w"), python=sys.executable)
     experiment = yaml.safe_load(open(write_config(folder / "run.yaml", epochs=1, learners_per_device=1)))
-    record = runner.run("tf_ssgd", experiment, harness.parse_tf_ssgd_options({}), "ssgd_entry", "t01_s4",
+    record = runner.run("tf_ssgd", experiment, parse_tf_ssgd_options({}), "ssgd_entry", "t01_s4",
                         "t01 base=0.05", 4, 0.5, 300)
     assert record.summary is not None, record.error
     logdir = out / "tensorboard" / "ssgd_entry" / "t01_s4"

@@ -1,7 +1,6 @@
 """A user's own model (model: module:function or path/to/file.py:function) and arrays (data: {name:
 npz, path: FILE.npz}): what they build and load, against direct calls and NumPy; every bad case is
 one line and exit code 2."""
-import importlib.util
 import json
 import os
 import re
@@ -184,10 +183,8 @@ def test_the_baselines_refuse_a_bad_model_alike(in_folder, capsys, main):
 
 
 def _load_compare():
-    spec = importlib.util.spec_from_file_location("tools_compare_user", os.path.join(REPO, "tools", "compare.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from crossbow_tf.compare import cli
+    return cli
 
 
 def test_the_harness_locates_a_users_model_without_running_it(in_folder):

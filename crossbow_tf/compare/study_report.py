@@ -1,11 +1,16 @@
 """The reproduction study's report, built from the files in its directory alone (so a partial or
-resumed study reports what has finished): tables, plots and the verdict of tools/reproduce.py."""
+resumed study reports what has finished): tables, plots and the verdict of crossbow-reproduce."""
 import glob
 import json
 import os
 
-import harness
-import study
+from crossbow_tf.compare import plan, plots
+from crossbow_tf.compare.plan import describe
+from crossbow_tf.compare.report import fmt, fmt_stat, markdown_table, write_json
+from crossbow_tf.compare.runner import machine_info
+from crossbow_tf.compare.stats import best_trial, run_summary, seed_statistics
+from crossbow_tf.results import format_problems
+
 
 NEAR_SMALL_BATCH = 1.5      # "SMA's epochs stay near small-batch training": within this factor
 ABOUT_ONE_MODEL = 0.8       # "k learners cost about one model at k*b": at least this images/s ratio
@@ -46,9 +51,9 @@ def _load(path, target):
             data = json.load(f)
     except (OSError, json.JSONDecodeError):
         return None
-    if harness.format_problems(data):
+    if format_problems(data):
         return None
-    return harness.run_summary(data, target), data["evaluations"], data
+    return run_summary(data, target), data["evaluations"], data
 
 
 def outcome_word(summary, otherwise="n/r"):
@@ -74,7 +79,7 @@ def cell_state(out, spec, cell):
     if cell.series.untuned:
         best = 0
     else:
-        best = harness.best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in trials], by="epochs")
+        best = best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in trials], by="epochs")
     label = trials[best]["label"]
     state["best"] = trials[best]
     state["final"] = {s: _load(run_path(out, cell, label, s), spec.target) for s in spec.seeds}
@@ -91,12 +96,12 @@ def cell_stats(spec, state):
         seeds=len(final), of=len(spec.seeds), complete=len(final) == len(spec.seeds),
         reached=sum(s["reached"] for s in summaries), collapsed=sum(s["collapsed"] for s in summaries),
         diverged=sum(s["diverged"] for s in summaries),
-        epochs=harness.seed_statistics([s["epochs_to_target"] for s in summaries]),
-        tta=harness.seed_statistics([s["tta"] for s in summaries]),
-        best_accuracy=harness.seed_statistics([s["best_accuracy"] for s in summaries
+        epochs=seed_statistics([s["epochs_to_target"] for s in summaries]),
+        tta=seed_statistics([s["tta"] for s in summaries]),
+        best_accuracy=seed_statistics([s["best_accuracy"] for s in summaries
                                                if s["best_accuracy"] is not None]),
-        images_per_second=harness.seed_statistics([s["images_per_second"] for s in summaries]),
-        setting=harness.describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
+        images_per_second=seed_statistics([s["images_per_second"] for s in summaries]),
+        setting=describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
 
 
 def search_progress(spec, state):
@@ -104,10 +109,10 @@ def search_progress(spec, state):
     done = [t for t in state["trials"] if all(r is not None for r in t["runs"].values())]
     if state["searched"] or not done:
         return None
-    best = done[harness.best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in done], by="epochs")]
+    best = done[best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in done], by="epochs")]
     s = best["runs"][spec.search_seeds[0]][0]
     so_far = (f"{s['epochs_to_target']} epochs" if s["reached"] else
-              f"not reached ({outcome_word(s, 'best acc ' + harness.fmt(s['best_accuracy'], 4))})")
+              f"not reached ({outcome_word(s, 'best acc ' + fmt(s['best_accuracy'], 4))})")
     return f"searching, {len(done)}/{len(state['trials'])} trials done: best so far {so_far}"
 
 
@@ -120,7 +125,7 @@ def _cell_text(stats, cap, what="epochs", progress=None):
         best = stats["best_accuracy"][0]
         return f"not reached in {cap} ({n}; best acc {best:.4f})" if best is not None else f"not reached ({n})"
     digits = None if what == "epochs" else 1
-    return f"{harness.fmt_stat(stats[what], digits, 'n/r')} ({n})"
+    return f"{fmt_stat(stats[what], digits, 'n/r')} ({n})"
 
 
 METHOD_WORDS = {"sma": "SMA", "localsgd": "local SGD", "easgd": "EASGD", "crossbow_ssgd": "Crossbow S-SGD"}
@@ -174,7 +179,7 @@ def verdict(spec, cells, stats, bench):
         """ "name median best accuracy [range]" of the series at G that have finished, best first."""
         found = sorted(((stats[(n, g)]["best_accuracy"], n) for n in names_ if stats.get((n, g))
                         and stats[(n, g)]["best_accuracy"][0] is not None), reverse=True)
-        return ", ".join(f"{n} {harness.fmt_stat(a, 4)}" for a, n in found) or "–"
+        return ", ".join(f"{n} {fmt_stat(a, 4)}" for a, n in found) or "–"
     rows = []
     s_small, _ = best(ssgd, small)
     s_large, _ = best(ssgd, large)
@@ -223,13 +228,13 @@ def verdict(spec, cells, stats, bench):
     have = [t for t in tta if t[1] is not None or t[2] is not None]
 
     def ratios(points_):
-        return "; ".join(f"G={g}: measured S-SGD/SMA {harness.fmt(m)}, projected (epochs ratio) {harness.fmt(p)}"
+        return "; ".join(f"G={g}: measured S-SGD/SMA {fmt(m)}, projected (epochs ratio) {fmt(p)}"
                          for g, m, p, _, _ in points_)
     large_done = all(stats.get((n, large)) and stats[(n, large)]["complete"] for n in ssgd + sma
                      if any(c.series.name == n and c.global_batch == large for c in cells))
     neither = (large_done and best(ssgd, large)[0] == float("inf") and best(sma, large)[0] == float("inf"))
     if neither:
-        speed = ", ".join(f"{n} {harness.fmt(stats[(n, large)]['images_per_second'][0], 0)}"
+        speed = ", ".join(f"{n} {fmt(stats[(n, large)]['images_per_second'][0], 0)}"
                           for n in ssgd + sma if stats.get((n, large)))
         rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G",
                      f"not reproduced at G={large} on this CPU; no projection",
@@ -266,7 +271,7 @@ def final_distance(state):
     """Median over the best trial's finished seeds of the learners' mean distance to z at the last epoch."""
     values = [r[1][-1].get("learner_distance") for r in state["final"].values() if r is not None and r[1]]
     values = [v for v in values if v is not None]
-    return harness.seed_statistics(values)[0] if values else None
+    return seed_statistics(values)[0] if values else None
 
 
 def beyond_crossbow(spec, cells, stats, states):
@@ -286,8 +291,8 @@ def beyond_crossbow(spec, cells, stats, states):
         for n in at:
             st, stat = states[(n, g)], stats.get((n, g))
             table.append([_series_label(series[n]), _cell_text(stat, spec.epochs, progress=search_progress(spec, st)),
-                          harness.fmt_stat(stat["best_accuracy"], 4) if stat else "–",
-                          harness.fmt(final_distance(st), 3) if series[n].method != "tf_ssgd" else "",
+                          fmt_stat(stat["best_accuracy"], 4) if stat else "–",
+                          fmt(final_distance(st), 3) if series[n].method != "tf_ssgd" else "",
                           stat["setting"] if stat else "–"])
         tables[g] = table
         complete = all(stats.get((n, g)) and stats[(n, g)]["complete"] for n in at)
@@ -309,9 +314,9 @@ def beyond_crossbow(spec, cells, stats, states):
 
         def said(n):
             st = stats[(n, g)]
-            reach = f"{harness.fmt_stat(st['epochs'], None, 'n/r')} epochs" if st["epochs"][0] is not None else "not reached"
+            reach = f"{fmt_stat(st['epochs'], None, 'n/r')} epochs" if st["epochs"][0] is not None else "not reached"
             distance = final_distance(states[(n, g)])
-            return (f"{n} {reach}, best acc {harness.fmt_stat(st['best_accuracy'], 4)}"
+            return (f"{n} {reach}, best acc {fmt_stat(st['best_accuracy'], 4)}"
                     + (f", distance to z {distance:.3g}" if distance is not None else "") + f" ({st['setting']})")
         rows.append((f"{BEYOND_CLAIM} at G={g}", ("yes: " + ", ".join(winners)) if winners else "no",
                      f"tuned S-SGD {said(s_name)}; " + "; ".join(said(n) for n in averaging if (n, g) in stats),
@@ -319,89 +324,6 @@ def beyond_crossbow(spec, cells, stats, states):
                      f"{spec.epochs} epochs, reaching it or a higher median best accuracy; every series had the "
                      "same search budget at this point"))
     return rows, tables
-
-
-def plot_best_accuracy(stats, series, points, spec, path):
-    """Median best accuracy within the cap against G per series: where epochs to target sit at the
-    cap, this still separates the methods."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, s in enumerate(series):
-        pts = [(g, stats[(s.name, g)]["best_accuracy"]) for g in points if stats.get((s.name, g))
-               and stats[(s.name, g)]["best_accuracy"][0] is not None]
-        if not pts:
-            continue
-        gs, meds = [g for g, _ in pts], [a[0] for _, a in pts]
-        low = [m - a[1] for m, (_, a) in zip(meds, pts)]
-        high = [a[2] - m for m, (_, a) in zip(meds, pts)]
-        ax.errorbar(gs, meds, yerr=[low, high], fmt="o", color=f"C{i}", capsize=3, label=_series_label(s),
-                    linestyle="--" if s.beyond_crossbow else "-")
-    ax.axhline(spec.target, color="gray", linestyle=":", linewidth=1, label=f"target {spec.target:.0%}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global batch G")
-    ax.set_ylabel(f"best test accuracy within {spec.epochs} epochs (median, range over seeds)")
-    ax.set_ylim(bottom=max(0.0, min([spec.target - 0.15] + [
-        stats[(s.name, g)]["best_accuracy"][1] for s in series for g in points
-        if stats.get((s.name, g)) and stats[(s.name, g)]["best_accuracy"][1] is not None and
-        stats[(s.name, g)]["best_accuracy"][1] > 0.5])))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_tta(stats, cells, spec, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = [c.series.name for c in cells]
-    for i, name in enumerate(dict.fromkeys(names)):
-        pts = sorted((g, s["tta"][0]) for (n, g), s in stats.items() if n == name and s and s["tta"][0] is not None)
-        if pts:
-            ax.plot([g for g, _ in pts], [t for _, t in pts], "o-", color=f"C{i}", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global batch G")
-    ax.set_ylabel(f"time to {spec.target:.0%} (s of training, this CPU)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_largest(states, spec, g, path):
-    """Accuracy against epochs at global batch G: each series' best trial (seed 0); SMA's learner 0 dashed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    i = 0
-    for (name, gg), st in states.items():
-        if gg != g or not st["final"]:
-            continue
-        run = next((r for r in st["final"].values() if r is not None and r[1]), None)
-        if run is None:
-            continue
-        evals = run[1]
-        ax.plot([e["epoch"] for e in evals], [e["accuracy"] for e in evals], "o-", color=f"C{i}", markersize=3,
-                label=f"{name} z" if st["cell"].series.method == "sma" else name)
-        if any("learner_accuracy" in e for e in evals):
-            ax.plot([e["epoch"] for e in evals], [e.get("learner_accuracy") for e in evals], "--", color=f"C{i}",
-                    linewidth=1, label=f"{name} learner 0")
-        i += 1
-    ax.axhline(spec.target, color="gray", linestyle=":", linewidth=1, label=f"target {spec.target:.0%}")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"global batch {g}: best trial of each series (seed 0)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def build_report(out, spec, cells, experiment, args):
@@ -415,7 +337,7 @@ def build_report(out, spec, cells, experiment, args):
         machine = json.load(f)
 
     def grid_table(what):
-        return harness.markdown_table(["series"] + [f"G={g}" for g in points], [
+        return markdown_table(["series"] + [f"G={g}" for g in points], [
             [_series_label(s)] + [_cell_text(stats.get((s.name, g)), spec.epochs, what,
                                              search_progress(spec, states[(s.name, g)]) if what == "epochs" else None)
                                   if (s.name, g) in stats else "–" for g in points] for s in series])
@@ -427,14 +349,14 @@ def build_report(out, spec, cells, experiment, args):
         for t in st["trials"]:
             for seed, r in t["runs"].items():
                 if r is None:
-                    trial_rows.append([name, g, t["label"], harness.describe(t["point"]), seed, "not run yet", "", "", ""])
+                    trial_rows.append([name, g, t["label"], describe(t["point"]), seed, "not run yet", "", "", ""])
                     continue
                 s = r[0]
                 trial_rows.append([name, g, t["label"] + (" **best**" if st["best"] is t else ""),
-                                   harness.describe(t["point"]), seed,
+                                   describe(t["point"]), seed,
                                    s["epochs_to_target"] if s["reached"] else outcome_word(s),
-                                   harness.fmt(s["best_accuracy"], 4), s["epochs_run"], harness.fmt(s["tta"])])
-    budgets = study.searched_budgets(cells)
+                                   fmt(s["best_accuracy"], 4), s["epochs_run"], fmt(s["tta"])])
+    budgets = plan.searched_budgets(cells)
     found = ", ".join(f"{n} at G={g}" for g, n in sorted({(g, n) for (_, g), n in budgets.items()}))
     budget_line = (f"Search budget: {spec.describe_budget()}, the same for every searched series "
                    f"(found in the plan: {found}; "
@@ -451,9 +373,9 @@ def build_report(out, spec, cells, experiment, args):
         evals = run[1]
         last = evals[-1]
         peak = max(evals, key=lambda e: e.get("learner_accuracy") or 0)
-        why.append([name, g, st["cell"].k, harness.describe(st["best"]["point"]), len(evals),
-                    f"{last['accuracy']:.4f}", harness.fmt(last.get("learner_accuracy"), 4),
-                    harness.fmt(last.get("learner_distance"), 3), harness.fmt(peak.get("learner_accuracy"), 4),
+        why.append([name, g, st["cell"].k, describe(st["best"]["point"]), len(evals),
+                    f"{last['accuracy']:.4f}", fmt(last.get("learner_accuracy"), 4),
+                    fmt(last.get("learner_distance"), 3), fmt(peak.get("learner_accuracy"), 4),
                     outcome_word(run[0], "no")])
     half2 = [[f"b={b}", g, g // b, f"{row['sma']:.0f}", f"{row['keras_global']:.0f}", f"{row['keras_small']:.0f}",
               f"{row['sma'] / row['keras_global']:.2f}", f"{row['sma'] / row['keras_small']:.2f}",
@@ -464,8 +386,8 @@ def build_report(out, spec, cells, experiment, args):
         with open(bn_files[0]) as f:
             bn = json.load(f)
         for e in bn["evaluations"]:
-            bn_rows.append([e["epoch"], f"{e['accuracy']:.4f}", harness.fmt(e.get("accuracy_bn_recomputed"), 4),
-                            harness.fmt(e.get("bn_recompute_time"), 2), f"{e['epoch_time']:.1f}"])
+            bn_rows.append([e["epoch"], f"{e['accuracy']:.4f}", fmt(e.get("accuracy_bn_recomputed"), 4),
+                            fmt(e.get("bn_recompute_time"), 2), f"{e['epoch_time']:.1f}"])
         diffs = [e["accuracy_bn_recomputed"] - e["accuracy"] for e in bn["evaluations"] if "accuracy_bn_recomputed" in e]
         cfg = bn["config"]
         bn_note = (f"LeNet with BatchNorm, SMA with k={bn['num_learners']} learners of {cfg['batch_size']}, "
@@ -473,8 +395,8 @@ def build_report(out, spec, cells, experiment, args):
                    f"recomputed on {cfg['batchnorm_batches']} training batches of {cfg['eval_batch_size']}. "
                    f"Recomputed minus averaged accuracy: mean {sum(diffs) / len(diffs):+.4f}, "
                    f"min {min(diffs):+.4f}, max {max(diffs):+.4f}." if diffs else "")
-    tta_rows = [[g, harness.fmt(m), harness.fmt(p), "not reached" if e_s == float("inf") else harness.fmt(e_s, None),
-                 "not reached" if e_m == float("inf") else harness.fmt(e_m, None)] for g, m, p, e_s, e_m in tta]
+    tta_rows = [[g, fmt(m), fmt(p), "not reached" if e_s == float("inf") else fmt(e_s, None),
+                 "not reached" if e_m == float("inf") else fmt(e_m, None)] for g, m, p, e_s, e_m in tta]
 
     # Plots from what has finished.
     epochs_series = {}
@@ -483,13 +405,13 @@ def build_report(out, spec, cells, experiment, args):
         if pts:
             epochs_series[_series_label(s)] = pts
     if epochs_series:
-        harness.plot_sweep(epochs_series, spec.epochs, spec.target, os.path.join(out, "epochs_vs_G.png"))
-    plot_tta(stats, cells, spec, os.path.join(out, "tta_vs_G.png"))
+        plots.plot_sweep(epochs_series, spec.epochs, spec.target, os.path.join(out, "epochs_vs_G.png"))
+    plots.plot_tta(stats, cells, spec, os.path.join(out, "tta_vs_G.png"))
     largest = max(points)
-    plot_largest(states, spec, largest, os.path.join(out, "accuracy_vs_epochs_largest_G.png"))
-    plot_best_accuracy(stats, series, points, spec, os.path.join(out, "best_accuracy_vs_G.png"))
+    plots.plot_largest(states, spec, largest, os.path.join(out, "accuracy_vs_epochs_largest_G.png"))
+    plots.plot_best_accuracy(stats, series, points, spec, os.path.join(out, "best_accuracy_vs_G.png"), _series_label)
     beyond_rows, beyond_tables = beyond_crossbow(spec, cells, stats, states)
-    beyond_md = harness.markdown_table(["claim", "verdict", "numbers", "how measured"], [list(r) for r in beyond_rows])
+    beyond_md = markdown_table(["claim", "verdict", "numbers", "how measured"], [list(r) for r in beyond_rows])
     beyond_parts = []
     if beyond_rows:
         beyond_parts = [
@@ -501,7 +423,7 @@ def build_report(out, spec, cells, experiment, args):
             "z - mean_j w_j, DiLoCo's with outer momentum). Same budgets as every searched series.", "",
             beyond_md, ""]
         for g, table in beyond_tables.items():
-            beyond_parts += [f"At G={g}:", "", harness.markdown_table(
+            beyond_parts += [f"At G={g}:", "", markdown_table(
                 ["series", "epochs to target", "best accuracy, median [range]", "learners' distance to z (last epoch)",
                  "best coupling / setting"], table), ""]
         beyond_parts += ["![best accuracy within the cap against G](best_accuracy_vs_G.png)", ""]
@@ -509,8 +431,8 @@ def build_report(out, spec, cells, experiment, args):
     finished = sum(1 for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None) + \
         sum(1 for st in states.values() for s, r in st["final"].items() if r is not None and
             (st["best"] is None or s not in st["best"]["runs"]))
-    planned = study.count_runs(spec, cells)
-    verdict_md = harness.markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
+    planned = plan.count_runs(spec, cells)
+    verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
                                         [list(r) for r in rows])
     software = next((json.load(open(p)).get("environment", {}) for p in
                      glob.glob(os.path.join(out, "runs", "*", "*", "*.json"))[:1]), {})
@@ -520,7 +442,7 @@ def build_report(out, spec, cells, experiment, args):
         f"- config: `{args.config}` (copied to `config.yaml`)",
         f"- machine: {machine['cpu']}, {machine['cpu_count']} CPU cores, {machine['platform']}, Python {machine['python']}",
         f"- software: TensorFlow {software.get('tensorflow', '?')}, Keras {software.get('keras', '?')}",
-        f"- started: {machine['date']}; report written {harness.machine_info()['date']}",
+        f"- started: {machine['date']}; report written {machine_info()['date']}",
         f"- progress: {finished} of {planned} training runs finished" +
         ("" if finished >= planned else " (**partial**: resume with the command above plus `--resume`)"),
         "- every run is its own process, one at a time; each run's config, log and results are under `runs/`; "
@@ -537,11 +459,11 @@ def build_report(out, spec, cells, experiment, args):
         grid_table("epochs"), "",
         *([f"Protocol notes (from the config): {' '.join(spec.notes)}", ""] if spec.notes else []),
         "Best setting per point:", "",
-        harness.markdown_table(["series"] + [f"G={g}" for g in points], best_rows), "",
+        markdown_table(["series"] + [f"G={g}" for g in points], best_rows), "",
         "![epochs to target against G](epochs_vs_G.png)", "",
         f"![accuracy against epochs at G={largest}](accuracy_vs_epochs_largest_G.png)", "",
         "### Why: z against its learners (SMA, best trial, first seed, last epoch)", "",
-        harness.markdown_table(["series", "G", "k", "setting", "epochs", "z accuracy", "learner 0 accuracy",
+        markdown_table(["series", "G", "k", "setting", "epochs", "z accuracy", "learner 0 accuracy",
                                 "mean distance to z", "best learner 0 accuracy", "collapsed or diverged"], why) if why else "not run yet",
         "", "## Half 2: hardware efficiency (this CPU)", "",
         ("Images/s of fused SMA with k learners of b against one plain Keras model at batch k*b and at batch b, "
@@ -549,7 +471,7 @@ def build_report(out, spec, cells, experiment, args):
          "random MNIST-shaped images; `bench/` holds each command and log). Update share: the SMA update's "
          "share of an iteration; spread: (max-min)/median over the rounds of the noisiest configuration "
          "of that bench run, a measure of how busy the machine was.") if half2 else "not run yet", "",
-        harness.markdown_table(["series", "G", "k", "SMA images/s", "Keras at G", "Keras at b", "SMA / Keras(G)",
+        markdown_table(["series", "G", "k", "SMA images/s", "Keras at G", "Keras at b", "SMA / Keras(G)",
                                 "SMA / Keras(b)", "update share", "spread of that bench run"], half2)
         if half2 else "", "",
         "## The product: time to accuracy", "",
@@ -558,15 +480,15 @@ def build_report(out, spec, cells, experiment, args):
         "S-SGD over SMA at equal G (above 1: SMA sooner). Measured: the best S-SGD's median TTA over the best SMA "
         "series'. Projected (**a projection, not a measurement**): the ratio of epochs, which is the TTA ratio "
         "on hardware where k learners of b cost what one model at k*b costs (half 2 holding).", "",
-        harness.markdown_table(["G", "measured TTA ratio", "projected (epochs) ratio", "best S-SGD epochs",
+        markdown_table(["G", "measured TTA ratio", "projected (epochs) ratio", "best S-SGD epochs",
                                 "best SMA epochs"], tta_rows), "",
         "![TTA against G](tta_vs_G.png)", "",
         "## BatchNorm: averaged against recomputed statistics", "", bn_note, "",
-        harness.markdown_table(["epoch", "z accuracy (averaged statistics)", "z accuracy (recomputed)",
+        markdown_table(["epoch", "z accuracy (averaged statistics)", "z accuracy (recomputed)",
                                 "recompute time (s)", "epoch time (s)"], bn_rows) if bn_rows else "", "",
         "## Fidelity of the baselines", "", FIDELITY, "",
         "## Search trials", "",
-        harness.markdown_table(["series", "G", "trial", "setting", "seed", "epochs to target", "best accuracy",
+        markdown_table(["series", "G", "trial", "setting", "seed", "epochs to target", "best accuracy",
                                 "epochs run", "TTA (s)"], trial_rows), ""]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(parts) + "\n")
@@ -578,5 +500,5 @@ def build_report(out, spec, cells, experiment, args):
                                  (g, m, p, None if e_s == float("inf") else e_s, None if e_m == float("inf") else e_m)))
                         for g, m, p, e_s, e_m in tta],
                    bench={f"b{b}@{g}": row for (b, g), row in bench.items()})
-    harness.write_json(os.path.join(out, "summary.json"), summary)
+    write_json(os.path.join(out, "summary.json"), summary)
     return dict(verdict_markdown=verdict_md, beyond_markdown=beyond_md if beyond_rows else "", summary=summary)

@@ -1,0 +1,165 @@
+"""crossbow-compare --config C: time to accuracy of SMA against the baselines, as one report.
+
+(Also python -m crossbow_tf.compare, and a checkout's python tools/compare.py.)
+
+Reads the experiment and its ``compare:`` section (and, unless --no-sweep, its ``sweep:`` section)
+from C; runs every method's search trials and then its best trial on several seeds, each run in
+its own process, one at a time; writes DIR/report.md (tables), DIR/summary.json, accuracy plots
+(accuracy_vs_time.png, accuracy_vs_epochs.png, sweep.png) and every run's config, log and results
+under DIR/runs/. See docs/harness.md.
+
+    crossbow-compare --config configs/lenet_mnist_cpu.yaml --out docs/results/lenet_mnist_cpu
+    crossbow-compare --config configs/lenet_mnist_cpu.yaml --out /tmp/smoke --budget 1 \\
+        --seeds 0 --epochs 2 --no-sweep          # a smoke test of the whole pipeline
+"""
+import os
+import sys
+
+from crossbow_tf import cli
+from crossbow_tf.compare.plan import count_compare_runs, describe, plan_compare, plan_sweep
+from crossbow_tf.compare.plots import plot_curves, plot_sweep
+from crossbow_tf.compare.report import (command_line, compare_markdown, copy_config, header_markdown,
+                                        load_curves, markdown_table, software_line, sweep_markdown, sweep_series,
+                                        write_json)
+from crossbow_tf.compare.runner import machine_info, prepare_out_dir, run_compare, run_sweep, Runner
+from crossbow_tf.compare.spec import is_study, load_harness_config, parse_compare, parse_sweep
+from crossbow_tf.compare.stats import compare_rows, tta_ratio
+from crossbow_tf.errors import ConfigError, CrossbowError
+from crossbow_tf.files import atomic_write_text
+
+
+def parse_args(argv):
+    p = cli.OneLineParser(prog="crossbow-compare", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML experiment with a compare: section")
+    p.add_argument("--out", help="new report directory (default: reports/<experiment name>)")
+    p.add_argument("--force", action="store_true", help="replace an existing report directory")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the finished runs of an existing report directory (same settings)")
+    p.add_argument("--methods", nargs="+", metavar="NAME", help="only these entries of compare.methods")
+    p.add_argument("--budget", type=int, help="override compare.budget (trials per method)")
+    p.add_argument("--search-seeds", type=int, nargs="+", help="override compare.search_seeds")
+    p.add_argument("--seeds", type=int, nargs="+", help="override compare.seeds")
+    p.add_argument("--epochs", type=int, help="override the epochs cap of compare (and sweep)")
+    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the sweep: section")
+    p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    cli.add_verbose_flag(p)
+    return p.parse_args(argv)
+
+
+def build(args):
+    """(experiment, sections, CompareSpec, compare plan, SweepSpec or None, sweep plan or None)."""
+    experiment, sections = load_harness_config(args.config, args.data_dir)
+    section = dict(sections["compare"])
+    if not section:
+        raise ConfigError(f"{args.config}: no compare: section (methods, grids, seeds) to run")
+    for key, value in (("budget", args.budget), ("search_seeds", args.search_seeds), ("seeds", args.seeds),
+                       ("epochs", args.epochs)):
+        if value is not None:
+            section[key] = value
+    if args.methods:
+        methods = section.get("methods") or {}
+        unknown = [m for m in args.methods if not isinstance(methods, dict) or m not in methods]
+        if unknown:
+            raise ConfigError(f"--methods: {unknown[0]!r} is not an entry of compare.methods "
+                              f"({', '.join(methods) if isinstance(methods, dict) else 'none'})")
+        section["methods"] = {m: methods[m] for m in args.methods}
+    overridden = any(v is not None for v in (args.budget, args.search_seeds, args.seeds, args.epochs, args.methods))
+    where = f"{args.config} (with command-line overrides)" if overridden else args.config
+    try:
+        spec = parse_compare(section, experiment)
+        plan = plan_compare(spec, experiment, sections)
+        sweep_spec = sweep_plan = None
+        if sections["sweep"] and not args.no_sweep:
+            if is_study(sections["sweep"]):
+                raise ConfigError("the sweep: section is a study (series:): run it with crossbow-reproduce, "
+                                  "or pass --no-sweep")
+            sweep_section = dict(sections["sweep"], **({"epochs": args.epochs} if args.epochs else {}))
+            sweep_spec = parse_sweep(sweep_section, experiment)
+            sweep_plan = plan_sweep(sweep_spec, experiment, sections)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return experiment, sections, spec, plan, sweep_spec, sweep_plan
+
+
+def main(argv=None):
+    """The entry point (crossbow-compare, python -m crossbow_tf.compare): the exit code."""
+    try:
+        return compare(argv)
+    except OSError as e:   # writing the report after the runs (disk full, directory gone)
+        return cli.fail("compare", f"{e.filename}: {e.strerror}; the finished runs stay in the report's "
+                        "runs/ directory: free the space and rerun with --resume to write the report")
+
+
+def compare(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    cli.quiet_tensorflow(args.verbose)   # the training processes inherit it
+    try:
+        experiment, sections, spec, plan, sweep_spec, sweep_plan = build(args)
+        out = args.out or os.path.join("reports", experiment.get("name", "experiment"))
+        total = count_compare_runs(spec, plan) + (
+            len(sweep_plan) * len(sweep_spec.seeds) if sweep_plan else 0)
+        if args.dry_run:
+            for entry, trials in plan:
+                for label, point, _ in trials:
+                    print(f"{entry.name} ({entry.method}) {label}: {describe(dict(entry.fixed, **point))}")
+            for series, g, label, point, _ in sweep_plan or []:
+                print(f"sweep {series} global batch {g} {label}: {describe(point)}")
+            print(f"{total} runs (at most)")
+            return 0
+        prepare_out_dir(out, force=args.force, resume=args.resume)
+    except CrossbowError as e:
+        return cli.fail("compare", e)
+    except OSError as e:   # the report directory cannot be made
+        return cli.fail("compare", f"{e.filename}: {e.strerror}")
+
+    copy_config(args.config, out)
+    machine = machine_info()
+    runner = Runner(out, total, resume=args.resume)
+    runner.say(f"compare: {len(plan)} methods, {total} runs, report in {out}")
+    try:
+        outcome = run_compare(spec, plan, runner)
+        sweep_result = run_sweep(sweep_spec, sweep_plan, runner) if sweep_plan else None
+    except KeyboardInterrupt:
+        print(f"compare: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
+        return 130
+
+    rows = compare_rows(spec, outcome)
+    curves = {name: load_curves(o["final"]) for name, o in outcome.items()}
+    plot_curves(curves, spec.target, os.path.join(out, "accuracy_vs_time.png"),
+                        os.path.join(out, "accuracy_vs_epochs.png"))
+    records = [r for o in outcome.values() for r in o["runs"].values()]
+    parts = [header_markdown(f"Time to accuracy: {experiment.get('name', '')}", command_line(),
+                                     machine, args.config),
+             software_line(records),
+             f"- finished: {machine_info()['date']}",
+             "", "## Time to accuracy", "", compare_markdown(spec, rows, outcome), "",
+             "![accuracy against time](accuracy_vs_time.png)", "",
+             "![accuracy against epochs](accuracy_vs_epochs.png)"]
+    summary = dict(machine=machine, command=command_line(), spec=spec, rows=rows,
+                   tta_ratio=dict(zip(("ratio", "sma", "baseline"), tta_ratio(rows))))
+    if sweep_result is not None:
+        plot_sweep(sweep_series(sweep_spec, sweep_result), sweep_spec.epochs, sweep_spec.target,
+                           os.path.join(out, "sweep.png"))
+        parts += ["", "## Statistical efficiency", "", sweep_markdown(sweep_spec, sweep_result), "",
+                  "![epochs to target against global batch](sweep.png)"]
+        summary["sweep"] = {series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]
+                            for series, points in sweep_result.items()}
+        records += [r for points in sweep_result.values() for *_, recs in points for r in recs]
+    failed = [r for r in records if r.summary is None]
+    if failed:
+        parts += ["", "## Failed runs", "", markdown_table(
+            ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
+    atomic_write_text(os.path.join(out, "report.md"), "\n".join(parts) + "\n")
+    write_json(os.path.join(out, "summary.json"), summary)
+    runner.say("\n" + compare_markdown(spec, rows, outcome).split("### Search trials")[0].strip())
+    runner.say(f"\nreport: {os.path.join(out, 'report.md')}")
+    if failed:
+        print(f"compare: {len(failed)} run(s) failed; see the report", file=sys.stderr)
+        return 1
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

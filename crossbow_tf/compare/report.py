@@ -1,0 +1,163 @@
+"""The comparison's and the sweep's reports: Markdown tables, the header, summary.json. Nothing here
+imports TensorFlow."""
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+from crossbow_tf.compare.plan import describe
+from crossbow_tf.compare.stats import seed_statistics, tta_ratio
+from crossbow_tf.files import atomic_write_text
+
+
+def fmt(x, digits=2):
+    """X with DIGITS decimals; DIGITS None: as short as exact (a median of epochs may be 3.5)."""
+    if x is None:
+        return "–"
+    return f"{x:g}" if digits is None else f"{x:.{digits}f}"
+
+
+def fmt_stat(stat, digits=2, missing="–"):
+    """ "median [min–max]"; MISSING when there is no value (e.g. "not reached" for times to target)."""
+    med, lo, hi = stat
+    if med is None and lo is None:
+        return missing
+    return (f"{fmt(med, digits) if med is not None else missing} "
+            f"[{fmt(lo, digits)}–{fmt(hi, digits) if hi is not None else 'n/r'}]")
+
+
+def markdown_table(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def load_curves(records):
+    """[(seed, evaluations)] of the successful RECORDS."""
+    out = []
+    for r in records:
+        if r.summary is not None:
+            with open(r.path) as f:
+                out.append((r.seed, json.load(f)["evaluations"]))
+    return out
+
+
+def compare_markdown(spec, rows, outcome):
+    ratio, sma, base = tta_ratio(rows)
+    headers = ["method", "best of trials", "global batch", "seeds reached", "epochs to target",
+               "TTA (s)", "images/s", "best accuracy", "trace (s)", "epoch-start wait (s)"]
+    table = markdown_table(headers, [
+        [r["name"] + ("" if r["name"] == r["method"] else f" ({r['method']})"), f"{r['best']} ({r['trials']} tried)",
+         r["global_batch"] if r["global_batch"] is not None else "–", f"{r['reached']}/{r['seeds']}",
+         fmt_stat(r["epochs"], None, "not reached"), fmt_stat(r["tta"], 2, "not reached"), fmt_stat(r["images_per_second"], 0),
+         fmt_stat(r["best_accuracy"], 4), fmt_stat(r["trace_time"]), fmt_stat(r["epoch_start_wait"])]
+        for r in rows])
+    if ratio is None:
+        ratio_line = (f"TTA ratio SMA / best baseline: not available ({'SMA' if sma is None else 'no baseline'} "
+                      f"reached {spec.target:.0%} in at least half of its seeds).")
+    else:
+        ratio_line = (f"**TTA ratio SMA / best baseline = {ratio:.2f}** ({sma} against {base}; "
+                      f"below 1 means SMA reaches {spec.target:.0%} sooner).")
+    trials = []
+    for name, o in outcome.items():
+        for label, point, _ in o["trials"]:
+            for seed in spec.search_seeds:
+                r = o["runs"][(label, seed)]
+                s = r.summary
+                trials.append([name, label + (" **best**" if label == o["best"] else ""), describe(point), seed,
+                               f"{r.load_before[0]:.1f}" if r.load_before else "–",
+                               "failed: " + (r.error or "") if s is None else
+                               (f"{s['tta']:.2f}" if s["reached"] else "not reached"),
+                               "–" if s is None or not s["reached"] else s["epochs_to_target"],
+                               "–" if s is None else f"{s['best_accuracy']:.4f}"])
+    return "\n\n".join([
+        f"Target: {spec.target:.0%} test accuracy, at most {spec.epochs} epochs per run. Each method: "
+        f"at most {spec.budget} trial(s) from its grid on search seed(s) {spec.search_seeds}; the best trial "
+        f"(lowest median time to target) then ran on seeds {spec.seeds}. Cells: median [min–max] over those "
+        "seeds (n/r: some seed did not reach the target). TTA counts training time only (evaluation "
+        "excluded; tracing included, and also shown as *trace*).",
+        table, ratio_line, "### Search trials",
+        markdown_table(["method", "trial", "settings", "seed", "load at start", "TTA (s)", "epochs", "best accuracy"],
+                       trials)])
+
+
+def sweep_markdown(spec, result):
+    rows = []
+    for series, name in (("ssgd", f"S-SGD ({spec.ssgd_method})"), ("sma", f"SMA (b={spec.sma_batch})")):
+        for g, epochs, point, records in result[series]:
+            ok = [r.summary for r in records if r.summary is not None]
+            rows.append([name, g, (f"k={g // spec.sma_batch}" if series == "sma" else f"batch {g}"), describe(point),
+                         "not reached" if epochs is None else f"{epochs:g}",
+                         fmt(seed_statistics([s["tta"] for s in ok])[0]),
+                         fmt(seed_statistics([s["best_accuracy"] for s in ok])[0], 4)])
+    largest = {}
+    for series in ("ssgd", "sma"):
+        if result[series]:
+            g, epochs, _, _ = max(result[series], key=lambda t: t[0])
+            largest[series] = (g, epochs)
+    notes = [f"at the largest global batch: S-SGD {_epochs_text(largest.get('ssgd'), spec.epochs)}, "
+             f"SMA {_epochs_text(largest.get('sma'), spec.epochs)}."]
+    return "\n\n".join([
+        f"Epochs to {spec.target:.0%} test accuracy (median over seeds {spec.seeds}, at most {spec.epochs} epochs) "
+        "with the best setting of each grid per point (fewest epochs).",
+        markdown_table(["series", "global batch", "point", "best setting", "epochs to target", "TTA (s)",
+                        "best accuracy"], rows), "Epochs to target " + notes[0]])
+
+
+def _epochs_text(item, cap):
+    if item is None:
+        return "not run"
+    g, epochs = item
+    return f"{'not reached in ' + str(cap) if epochs is None else f'{epochs:g}'} epochs (global batch {g})"
+
+
+def sweep_series(spec, result):
+    return {f"S-SGD ({spec.ssgd_method}, best lr per batch)": [(g, e) for g, e, _, _ in sorted(result["ssgd"])],
+            f"SMA (b={spec.sma_batch}, k learners)": [(g, e) for g, e, _, _ in sorted(result["sma"])]}
+
+
+def header_markdown(title, command, machine, config_path):
+    load = machine["load_average"]
+    return "\n".join([
+        f"# {title}", "",
+        f"- command: `{command}`",
+        f"- config: `{config_path}`",
+        f"- machine: {machine['cpu']}, {machine['cpu_count']} CPU cores, {machine['platform']}, "
+        f"Python {machine['python']}",
+        f"- started: {machine['date']}" + (f", load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
+                                           if load else ""),
+        "- every run is its own process, one at a time; per-run logs, configs and results are under `runs/`.",
+        "- fairness choices: see docs/harness.md."])
+
+
+def software_line(records):
+    for r in records:
+        if r.summary is not None:
+            with open(r.path) as f:
+                env = json.load(f).get("environment", {})
+            return f"- software: TensorFlow {env.get('tensorflow')}, Keras {env.get('keras')}"
+    return "- software: (no run finished)"
+
+
+def write_json(path, data):
+    atomic_write_text(path, json.dumps(
+        data, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)))
+
+
+def command_line():
+    """This process's command as one would type it again, its script's path relative to this folder."""
+    script = os.path.abspath(sys.argv[0])
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # crossbow_tf/
+    if script.endswith(".py") and script.startswith(package + os.sep):   # python -m crossbow_tf....
+        module = os.path.relpath(script[:-3], os.path.dirname(package)).replace(os.sep, ".")
+        head = ["python", "-m", module[:-len(".__main__")] if module.endswith(".__main__") else module]
+    elif script.endswith(".py"):   # a checkout's tools/compare.py, as old reports name it
+        head = ["python", os.path.relpath(script)]
+    else:   # an installed entry point: crossbow-compare
+        head = [os.path.basename(script)]
+    return " ".join(head + sys.argv[1:])
+
+
+def copy_config(src, out_dir):
+    shutil.copyfile(src, os.path.join(out_dir, "config.yaml"))

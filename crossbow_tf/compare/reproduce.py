@@ -1,0 +1,176 @@
+"""crossbow-reproduce --config C --out DIR: the reproduction study of Crossbow's claims, as one report.
+
+(Also python -m crossbow_tf.reproduce, and a checkout's python tools/reproduce.py.)
+
+Four phases, each resumable (--resume reuses every finished run and measurement):
+  sweep   half 1, statistical efficiency: epochs to target against the global batch G for every
+          series of the config's sweep: section (crossbow_tf/compare/plan.py), equal search
+          budgets, the best trial per point on several seeds;
+  bench   half 2, hardware efficiency: at each G, fused SMA's images/s against one plain Keras model
+          at batch G and at batch b, side by side in one process (tools/bench_throughput.py);
+  bn      z's test accuracy with the learners' averaged BatchNorm statistics against statistics
+          recomputed on training batches (LeNet with BatchNorm, SMA at the middle G);
+  report  DIR/report.md with tables, plots and the verdict, DIR/summary.json.
+
+    crossbow-reproduce --config configs/lenet_fashion_mnist_cpu.yaml \\
+        --out docs/results/lenet_fashion_mnist_cpu
+    crossbow-reproduce --config configs/lenet_fashion_mnist_cpu.yaml --out DIR --resume
+    crossbow-reproduce --config C --out DIR --resume --phases report     # tables from what finished
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from crossbow_tf.compare import study_report
+from crossbow_tf.compare.plan import count_runs, describe, plan_study
+from crossbow_tf.compare.report import command_line, copy_config, write_json
+from crossbow_tf.compare.runner import PACKAGE_ROOT, machine_info, prepare_out_dir, run_study, Runner
+from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
+from crossbow_tf.errors import ConfigError, CrossbowError
+
+PHASES = ("sweep", "bench", "bn", "report")
+# The throughput bench is a checkout's tools/bench_throughput.py. Its path is part of each bench
+# step's saved command, which --resume compares, so it stays the path it has always been.
+TOOLS = os.path.join(PACKAGE_ROOT, "tools")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="crossbow-reproduce", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML experiment whose sweep: section has series:")
+    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
+    p.add_argument("--force", action="store_true", help="replace an existing report directory")
+    p.add_argument("--resume", action="store_true", help="continue an existing report directory (same settings)")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="phases to run (in order)")
+    p.add_argument("--bench-rounds", type=int, default=3, help="interleaved rounds of the throughput bench")
+    p.add_argument("--bench-examples", type=int, default=8192, help="images per measured bench epoch")
+    p.add_argument("--bn-epochs", type=int, default=8, help="epochs of the BatchNorm run")
+    p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    return p.parse_args(argv)
+
+
+def build(args):
+    experiment, sections = load_harness_config(args.config, args.data_dir)
+    section = sections["sweep"]
+    if not is_study(section):
+        raise ConfigError(f"{args.config}: the sweep: section has no series: mapping (see crossbow_tf/compare/plan.py)")
+    try:
+        spec = parse_study(section, experiment)
+        cells = plan_study(spec, experiment, sections)
+    except ConfigError as e:
+        raise ConfigError(f"{args.config}: {e}") from None
+    if args.bench_rounds < 1 or args.bench_examples < 1 or args.bn_epochs < 1:
+        raise ConfigError("--bench-rounds, --bench-examples and --bn-epochs must be at least 1")
+    if "bench" in args.phases and not os.path.isfile(os.path.join(TOOLS, "bench_throughput.py")):
+        raise ConfigError(f"the bench phase runs a checkout's tools/bench_throughput.py, which {TOOLS} does not "
+                          "hold (an installed package has no tools/): run from a checkout, or leave bench out "
+                          "of --phases")
+    return experiment, sections, spec, cells
+
+
+def bench_jobs(spec, cells):
+    """[(b, [k...], devices)] per SMA series: the bench's learner counts at every point."""
+    jobs = {}
+    for cell in cells:
+        if cell.series.method == "sma":
+            exp = next(iter(cell.trials[0][2].values()))[0]
+            devices = exp["devices"]["logical_cpu"] or 1
+            jobs.setdefault((cell.series.batch_size, devices), set()).add(cell.k)
+    return [(b, sorted(ks), devices) for (b, devices), ks in sorted(jobs.items())]
+
+
+def run_bench(out, experiment, jobs, rounds, examples, say, resume):
+    """Runs tools/bench_throughput.py once per per-learner batch; returns {b: bench JSON}."""
+    results = {}
+    os.makedirs(os.path.join(out, "bench"), exist_ok=True)
+    for b, ks, devices in jobs:
+        base = os.path.join(out, "bench", f"b{b}")
+        cmd = [sys.executable, os.path.join(TOOLS, "bench_throughput.py"), "--model", experiment.get("model", "lenet"),
+               "--data", "mnist-shaped", "--examples", str(examples), "--batch-size", str(b), "--devices", str(devices),
+               "--rounds", str(rounds), "--ks", *map(str, ks), "--json", base + ".json"]
+        if resume and os.path.exists(base + ".json") and os.path.exists(base + ".cmd"):
+            with open(base + ".cmd") as f:
+                if f.read() == " ".join(cmd[1:]):
+                    say(f"bench b={b}: done before, reusing {os.path.relpath(base + '.json', out)}")
+                    with open(base + ".json") as f2:
+                        results[b] = json.load(f2)
+                    continue
+        say(f"bench b={b}, k in {ks}: SMA against Keras at k*b and at b, {rounds} rounds ...")
+        start = time.time()
+        with open(base + ".log", "w") as log:
+            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        if code != 0:
+            say(f"      FAILED (exit code {code}; log: {base}.log)")
+            continue
+        with open(base + ".cmd", "w") as f:
+            f.write(" ".join(cmd[1:]))
+        with open(base + ".json") as f:
+            results[b] = json.load(f)
+        say(f"      done in {time.time() - start:.0f}s")
+    return results
+
+
+def bn_run_config(experiment, sections, spec, epochs):
+    """The BatchNorm experiment: LeNet with BatchNorm, SMA with b=16 at the middle global batch."""
+    g = sorted(spec.global_batches)[len(spec.global_batches) // 2]
+    b = 16
+    exp, opts = run_config(
+        experiment, sections, "sma",
+        {"model": "lenet_bn", "batch_size": b, "learners_per_device": g // b, "batchnorm_eval": "both",
+         "learning_rate.base": 0.05, "collapse_epochs": 0},
+        seed=0, target=spec.target, epochs=epochs, where="bn run")
+    exp["stop_at_target"] = False
+    return g, exp, opts
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        experiment, sections, spec, cells = build(args)
+        jobs = bench_jobs(spec, cells)
+        total = count_runs(spec, cells) + ("bn" in args.phases)
+        if args.dry_run:
+            for cell in cells:
+                for label, point, _ in cell.trials:
+                    print(f"{cell.series.name} G={cell.global_batch} k={cell.k} {label}: {describe(point)}")
+            for b, ks, devices in jobs:
+                print(f"bench b={b} k={ks} on {devices} device(s)")
+            print(f"{total} training runs (at most), budget {spec.describe_budget()}")
+            return 0
+        prepare_out_dir(args.out, force=args.force, resume=args.resume)
+    except CrossbowError as e:
+        print(f"reproduce: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out
+    if not args.resume or not os.path.exists(os.path.join(out, "config.yaml")):
+        copy_config(args.config, out)
+    machine_path = os.path.join(out, "machine.json")
+    if not os.path.exists(machine_path):
+        write_json(machine_path, dict(machine_info(), command=command_line()))
+    runner = Runner(out, total, resume=True if "sweep" not in args.phases else args.resume)
+    runner.say(f"reproduce: {len(cells)} cells, {total} runs at most, phases {' '.join(args.phases)}, report in {out}")
+    try:
+        outcome = run_study(spec, cells, runner) if "sweep" in args.phases else None
+        bench = run_bench(out, experiment, jobs, args.bench_rounds, args.bench_examples, runner.say,
+                          args.resume) if "bench" in args.phases else None
+        bn = None
+        if "bn" in args.phases:
+            g, exp, opts = bn_run_config(experiment, sections, spec, args.bn_epochs)
+            bn = runner.run("sma", exp, opts, "bn", f"lenet_bn_G{g}_s0", f"lenet_bn G={g} averaged vs recomputed",
+                            0, spec.target, spec.timeout)
+    except KeyboardInterrupt:
+        print(f"reproduce: interrupted; finished runs stay in {out} (rerun with --resume)", file=sys.stderr)
+        return 130
+    if "report" not in args.phases:
+        return 0
+    report = study_report.build_report(out, spec, cells, experiment, args)
+    runner.say("\n" + report["verdict_markdown"])
+    runner.say(f"\nreport: {os.path.join(out, 'report.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""crossbow-sweep --config C: statistical efficiency, epochs to target against the global batch.
+
+(Also python -m crossbow_tf.compare.sweep, and a checkout's python tools/sweep.py.)
+
+S-SGD at each global batch of sweep.ssgd.global_batches (its best learning rate of sweep.ssgd.grid
+per batch) and SMA with k learners of a fixed per-learner batch b for each k of sweep.sma.learners
+(best of sweep.sma.grid per k). Each run is its own process, one at a time. Writes DIR/report.md,
+DIR/summary.json, DIR/sweep.png and every run's files under DIR/runs/. See docs/harness.md.
+
+    crossbow-sweep --config configs/lenet_mnist_cpu.yaml --out /tmp/sweep
+    crossbow-sweep --config configs/lenet_mnist_cpu.yaml --out /tmp/sweep --global-batches 64 256 \\
+        --learners 4 16 --epochs 5
+"""
+import os
+import sys
+
+from crossbow_tf import cli
+from crossbow_tf.compare.plan import describe, plan_sweep
+from crossbow_tf.compare.plots import plot_sweep
+from crossbow_tf.compare.report import (command_line, copy_config, header_markdown, markdown_table,
+                                        software_line, sweep_markdown, sweep_series, write_json)
+from crossbow_tf.compare.runner import machine_info, prepare_out_dir, run_sweep, Runner
+from crossbow_tf.compare.spec import is_study, load_harness_config, parse_sweep
+from crossbow_tf.errors import ConfigError, CrossbowError
+from crossbow_tf.files import atomic_write_text
+
+
+def parse_args(argv):
+    p = cli.OneLineParser(prog="crossbow-sweep", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML experiment with a sweep: section")
+    p.add_argument("--out", help="new report directory (default: reports/<experiment name>-sweep)")
+    p.add_argument("--force", action="store_true", help="replace an existing report directory")
+    p.add_argument("--resume", action="store_true", help="reuse the finished runs of an existing report directory")
+    p.add_argument("--global-batches", type=int, nargs="+", help="override sweep.ssgd.global_batches")
+    p.add_argument("--learners", type=int, nargs="+", help="override sweep.sma.learners (k)")
+    p.add_argument("--seeds", type=int, nargs="+", help="override sweep.seeds")
+    p.add_argument("--epochs", type=int, help="override sweep.epochs (the cap per run)")
+    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
+    p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    cli.add_verbose_flag(p)
+    return p.parse_args(argv)
+
+
+def study_argv(args):
+    """A sweep: section with series: is the reproduction study's half 1: crossbow-reproduce runs it."""
+    if args.global_batches or args.learners or args.seeds or args.epochs:
+        raise ConfigError(f"{args.config}: --global-batches, --learners, --seeds and --epochs apply to the "
+                          "one-grid sweep form; this sweep: section has series: (edit it instead)")
+    return (["--config", args.config, "--out", args.out or os.path.join("reports", "study-sweep"),
+             "--phases", "sweep", "report"] + (["--data-dir", args.data_dir] if args.data_dir else [])
+            + [flag for flag, on in (("--force", args.force), ("--resume", args.resume), ("--dry-run", args.dry_run))
+               if on])
+
+
+def build(args):
+    experiment, sections = load_harness_config(args.config, args.data_dir)
+    section = {k: (dict(v) if isinstance(v, dict) else v) for k, v in sections["sweep"].items()}
+    if not section:
+        raise ConfigError(f"{args.config}: no sweep: section (ssgd, sma, seeds) to run")
+    overridden = False
+    for key, value in (("seeds", args.seeds), ("epochs", args.epochs)):
+        if value is not None:
+            section[key], overridden = value, True
+    for sub, key, value in (("ssgd", "global_batches", args.global_batches), ("sma", "learners", args.learners)):
+        if value is not None:
+            part = section.get(sub)
+            section[sub] = dict(part if isinstance(part, dict) else {}, **{key: value})
+            overridden = True
+    try:
+        spec = parse_sweep(section, experiment)
+        return experiment, spec, plan_sweep(spec, experiment, sections)
+    except ConfigError as e:
+        raise ConfigError(f"{args.config}{' (with command-line overrides)' if overridden else ''}: {e}") from None
+
+
+def main(argv=None):
+    """The entry point (crossbow-sweep, python -m crossbow_tf.compare.sweep): the exit code."""
+    try:
+        return sweep(argv)
+    except OSError as e:   # writing the report after the runs (disk full, directory gone)
+        return cli.fail("sweep", f"{e.filename}: {e.strerror}; the finished runs stay in the report's "
+                        "runs/ directory: free the space and rerun with --resume to write the report")
+
+
+def sweep(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    cli.quiet_tensorflow(args.verbose)   # the training processes inherit it
+    try:
+        _, sections = load_harness_config(args.config)
+        if is_study(sections["sweep"]):
+            from crossbow_tf.compare import reproduce
+            return reproduce.main(study_argv(args))
+        experiment, spec, plan = build(args)
+        out = args.out or os.path.join("reports", experiment.get("name", "experiment") + "-sweep")
+        total = len(plan) * len(spec.seeds)
+        if args.dry_run:
+            for series, g, label, point, _ in plan:
+                print(f"{series} global batch {g} {label}: {describe(point)}")
+            print(f"{total} runs")
+            return 0
+        prepare_out_dir(out, force=args.force, resume=args.resume)
+    except CrossbowError as e:
+        return cli.fail("sweep", e)
+    except OSError as e:   # the report directory cannot be made
+        return cli.fail("sweep", f"{e.filename}: {e.strerror}")
+
+    copy_config(args.config, out)
+    machine = machine_info()
+    runner = Runner(out, total, resume=args.resume)
+    runner.say(f"sweep: {total} runs, report in {out}")
+    try:
+        result = run_sweep(spec, plan, runner)
+    except KeyboardInterrupt:
+        print(f"sweep: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
+        return 130
+    plot_sweep(sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
+    records = [r for points in result.values() for *_, recs in points for r in recs]
+    text = sweep_markdown(spec, result)
+    failed = [r for r in records if r.summary is None]
+    parts = [header_markdown(f"Statistical efficiency: {experiment.get('name', '')}",
+                                     command_line(), machine, args.config),
+             software_line(records), f"- finished: {machine_info()['date']}", "", text, "",
+             "![epochs to target against global batch](sweep.png)"]
+    if failed:
+        parts += ["", "## Failed runs", "", markdown_table(
+            ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
+    atomic_write_text(os.path.join(out, "report.md"), "\n".join(parts) + "\n")
+    write_json(os.path.join(out, "summary.json"), dict(
+        machine=machine, command=command_line(), spec=spec,
+        sweep={series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]
+               for series, points in result.items()}))
+    runner.say("\n" + text + f"\n\nreport: {os.path.join(out, 'report.md')}")
+    if failed:
+        print(f"sweep: {len(failed)} run(s) failed; see the report", file=sys.stderr)
+        return 1
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
