@@ -127,10 +127,10 @@ def compare(argv=None):
     rows = compare_rows(spec, outcome)
     curves = {name: load_curves(o["final"]) for name, o in outcome.items()}
     plot_curves(curves, spec.target, os.path.join(out, "accuracy_vs_time.png"),
-                        os.path.join(out, "accuracy_vs_epochs.png"))
+                os.path.join(out, "accuracy_vs_epochs.png"))
     records = [r for o in outcome.values() for r in o["runs"].values()]
     parts = [header_markdown(f"Time to accuracy: {experiment.get('name', '')}", command_line(),
-                                     machine, args.config),
+                             machine, args.config),
              software_line(records),
              f"- finished: {machine_info()['date']}",
              "", "## Time to accuracy", "", compare_markdown(spec, rows, outcome), "",
@@ -140,7 +140,7 @@ def compare(argv=None):
                    tta_ratio=dict(zip(("ratio", "sma", "baseline"), tta_ratio(rows))))
     if sweep_result is not None:
         plot_sweep(sweep_series(sweep_spec, sweep_result), sweep_spec.epochs, sweep_spec.target,
-                           os.path.join(out, "sweep.png"))
+                   os.path.join(out, "sweep.png"))
         parts += ["", "## Statistical efficiency", "", sweep_markdown(sweep_spec, sweep_result), "",
                   "![epochs to target against global batch](sweep.png)"]
         summary["sweep"] = {series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]

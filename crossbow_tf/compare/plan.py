@@ -176,7 +176,7 @@ def plan_study(spec, experiment, sections):
             where = f"sweep.series.{series.name} (global batch {g})"
             fixed, points = _trial_points(series, g, spec.budget_at(g), where)
             base, _ = run_config(experiment, sections, series.method, fixed, seed=0, target=spec.target,
-                                         epochs=spec.epochs, where=where)
+                                 epochs=spec.epochs, where=where)
             devices = base["devices"]["logical_cpu"] or 1
             if series.method in LEARNER_METHODS:
                 per = series.batch_size * devices
@@ -192,8 +192,8 @@ def plan_study(spec, experiment, sections):
                 configs = {}
                 for seed in seeds:
                     exp, opts = run_config(experiment, sections, series.method,
-                                                   dict(fixed, **resolved, **shape), seed=seed,
-                                                   target=spec.target, epochs=spec.epochs, where=where)
+                                           dict(fixed, **resolved, **shape), seed=seed,
+                                           target=spec.target, epochs=spec.epochs, where=where)
                     configs[seed] = (exp, opts)
                 trials.append((f"t{i:02d}", resolved, configs))
             cells.append(Cell(series, g, k, trials))

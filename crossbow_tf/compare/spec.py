@@ -260,7 +260,7 @@ def is_study(section):
 def _series(name, body, where, points):
     body = _mapping(body, where)
     _known(body, ("method", "batch_size", "fixed", "grid", "points", "untuned", "global_batches",
-                          "beyond_crossbow"), where)
+                  "beyond_crossbow"), where)
     method = body.get("method", name)
     _need(method in METHODS, f"{where}.method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     untuned = body.get("untuned", False)
@@ -299,7 +299,7 @@ def _series(name, body, where, points):
 def parse_study(section, experiment, where="sweep"):
     """StudySpec from a sweep: mapping with series (see the module doc)."""
     _known(section, ("global_batches", "series", "budget", "search_seeds", "seeds", "target", "epochs",
-                             "timeout", "notes", "point_budgets"), where)
+                     "timeout", "notes", "point_budgets"), where)
     notes = section.get("notes", [])
     _need(isinstance(notes, list) and all(isinstance(n, str) and n.strip() for n in notes),
           f"{where}.notes: expected a list of sentences, got {notes!r}")

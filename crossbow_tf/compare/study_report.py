@@ -99,7 +99,7 @@ def cell_stats(spec, state):
         epochs=seed_statistics([s["epochs_to_target"] for s in summaries]),
         tta=seed_statistics([s["tta"] for s in summaries]),
         best_accuracy=seed_statistics([s["best_accuracy"] for s in summaries
-                                               if s["best_accuracy"] is not None]),
+                                       if s["best_accuracy"] is not None]),
         images_per_second=seed_statistics([s["images_per_second"] for s in summaries]),
         setting=describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
 
@@ -464,7 +464,7 @@ def build_report(out, spec, cells, experiment, args):
         f"![accuracy against epochs at G={largest}](accuracy_vs_epochs_largest_G.png)", "",
         "### Why: z against its learners (SMA, best trial, first seed, last epoch)", "",
         markdown_table(["series", "G", "k", "setting", "epochs", "z accuracy", "learner 0 accuracy",
-                                "mean distance to z", "best learner 0 accuracy", "collapsed or diverged"], why) if why else "not run yet",
+                        "mean distance to z", "best learner 0 accuracy", "collapsed or diverged"], why) if why else "not run yet",
         "", "## Half 2: hardware efficiency (this CPU)", "",
         ("Images/s of fused SMA with k learners of b against one plain Keras model at batch k*b and at batch b, "
          "measured side by side in one process, interleaved rounds, median (tools/bench_throughput.py, "
@@ -472,7 +472,7 @@ def build_report(out, spec, cells, experiment, args):
          "share of an iteration; spread: (max-min)/median over the rounds of the noisiest configuration "
          "of that bench run, a measure of how busy the machine was.") if half2 else "not run yet", "",
         markdown_table(["series", "G", "k", "SMA images/s", "Keras at G", "Keras at b", "SMA / Keras(G)",
-                                "SMA / Keras(b)", "update share", "spread of that bench run"], half2)
+                        "SMA / Keras(b)", "update share", "spread of that bench run"], half2)
         if half2 else "", "",
         "## The product: time to accuracy", "",
         "Median training time to target (evaluation excluded) on this CPU, per series and point:", "",
@@ -481,15 +481,15 @@ def build_report(out, spec, cells, experiment, args):
         "series'. Projected (**a projection, not a measurement**): the ratio of epochs, which is the TTA ratio "
         "on hardware where k learners of b cost what one model at k*b costs (half 2 holding).", "",
         markdown_table(["G", "measured TTA ratio", "projected (epochs) ratio", "best S-SGD epochs",
-                                "best SMA epochs"], tta_rows), "",
+                        "best SMA epochs"], tta_rows), "",
         "![TTA against G](tta_vs_G.png)", "",
         "## BatchNorm: averaged against recomputed statistics", "", bn_note, "",
         markdown_table(["epoch", "z accuracy (averaged statistics)", "z accuracy (recomputed)",
-                                "recompute time (s)", "epoch time (s)"], bn_rows) if bn_rows else "", "",
+                        "recompute time (s)", "epoch time (s)"], bn_rows) if bn_rows else "", "",
         "## Fidelity of the baselines", "", FIDELITY, "",
         "## Search trials", "",
         markdown_table(["series", "G", "trial", "setting", "seed", "epochs to target", "best accuracy",
-                                "epochs run", "TTA (s)"], trial_rows), ""]
+                        "epochs run", "TTA (s)"], trial_rows), ""]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(parts) + "\n")
     summary = dict(machine=machine, finished_runs=finished, planned_runs=planned,

@@ -118,7 +118,7 @@ def sweep(argv=None):
     text = sweep_markdown(spec, result)
     failed = [r for r in records if r.summary is None]
     parts = [header_markdown(f"Statistical efficiency: {experiment.get('name', '')}",
-                                     command_line(), machine, args.config),
+                             command_line(), machine, args.config),
              software_line(records), f"- finished: {machine_info()['date']}", "", text, "",
              "![epochs to target against global batch](sweep.png)"]
     if failed:
