@@ -78,8 +78,8 @@ def parse_args(prog, description, argv):
     p.add_argument("--tensorboard", metavar="DIR",
                    help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
     p.add_argument("--precision", choices=config_lib.PRECISIONS,
-                   help="Keras's global dtype policy for the run (overrides precision; engine methods do not "
-                        "support mixed_float16 yet)")
+                   help="Keras's global dtype policy for the run (overrides precision; mixed_float16 with dynamic "
+                        "loss scaling, as Keras's LossScaleOptimizer)")
     cli.add_verbose_flag(p)
     return p.parse_args(argv)
 

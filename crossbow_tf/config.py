@@ -376,12 +376,21 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
 def check_engine_precision(c):
-    """Raises ConfigError when C's precision cannot train through crossbow's engine: mixed_float16
-    needs loss scaling, which the engine does not have yet (stock baselines.tf_ssgd has Keras's)."""
-    if c.precision == "mixed_float16":
-        raise ConfigError("precision: mixed_float16 needs loss scaling, which crossbow's engine does not support "
-                          "yet; use mixed_bfloat16 or float32 (baselines.tf_ssgd runs mixed_float16 with Keras's "
-                          "LossScaleOptimizer)")
+    """Raises ConfigError when C's precision cannot train through crossbow's engine: mixed_float16's
+    loss scaling runs on one worker; across the several workers of a TF_CONFIG it is not supported yet."""
+    if c.precision == "mixed_float16" and _tf_config_workers() > 1:
+        raise ConfigError("precision: mixed_float16 (loss scaling) across several workers is not supported yet; "
+                          "train on one worker, or use mixed_bfloat16 or float32")
+
+
+def _tf_config_workers():
+    """The number of workers TF_CONFIG names (1 without it; the cluster's own reader reports a bad one)."""
+    import json
+    try:
+        workers = json.loads(os.environ.get("TF_CONFIG", "").strip() or "{}").get("cluster", {}).get("worker", [])
+    except (ValueError, AttributeError):
+        return 1
+    return max(len(workers), 1) if isinstance(workers, list) else 1
 
 
 def check_fits_data(c, learners=True, train_size=None, devices=None):

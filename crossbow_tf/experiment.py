@@ -194,7 +194,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     algorithm = make_algorithm(cfg)
     engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners,
-                         optimizer=make_optimizer(cfg))   # the tuner measures the Engine that will train
+                         optimizer=make_optimizer(cfg),   # the tuner measures the Engine that will train
+                         loss_scale=cfg.precision == "mixed_float16")   # as Keras's LossScaleOptimizer
     tuning, learners_per_device = None, None
     if resume_point is not None:
         learners_per_device = resume_point[1]["learners_per_device"]   # the tuner's choice is kept

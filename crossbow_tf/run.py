@@ -59,8 +59,8 @@ def parse_args(argv):
     p.add_argument("--tensorboard", metavar="DIR",
                    help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
     p.add_argument("--precision", choices=PRECISIONS,
-                   help="Keras's global dtype policy for the run (overrides precision; mixed_float16 is not "
-                        "supported by the engine yet: it needs loss scaling)")
+                   help="Keras's global dtype policy for the run (overrides precision; mixed_float16 with dynamic "
+                        "loss scaling, as Keras's LossScaleOptimizer)")
     p.add_argument("--on-divergence", choices=("stop", "rollback"),
                    help="on a NaN or infinity: stop (exit 3), or roll back to the last checkpoint with the "
                         "learning rate halved, at most max_rollbacks times (overrides on_divergence)")

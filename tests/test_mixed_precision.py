@@ -1,7 +1,8 @@
 """Keras dtype policies: the fused learners compute what the replicated ones (Keras's own
 stateless_call) compute under mixed_bfloat16 and mixed_float16, in the lower precision, while the
 learners' weights, velocities, z and u stay float32; the precision key of the run, the baselines
-and the harness; mixed_float16 refused for the engine until it has loss scaling."""
+and the harness; mixed_float16 (with loss scaling, tests/test_loss_scaling.py) refused only across
+several workers."""
 import contextlib
 import json
 import os
@@ -205,47 +206,37 @@ def test_tf_ssgd_runs_as_a_keras_user_runs_it(tmp_path, capsys, policy, optimize
     assert d["evaluations"][-1]["accuracy"] > 0.8
 
 
-def test_mixed_float16_is_refused_for_engine_methods_in_one_line(tmp_path, capsys, cpu_devices):
+def test_mixed_float16_passes_for_engine_methods_and_is_refused_across_workers_in_one_line(
+        tmp_path, capsys, monkeypatch):
     from baselines.crossbow_ssgd import main as crossbow_ssgd
     from crossbow_tf.run import main as run
-    from crossbow_tf.errors import ConfigError
-    import crossbow_tf.compare as harness
-    run_config = harness.run_config
     cfg = write(tmp_path / "c.yaml", experiment())
-    for main, prog in ((run, "crossbow_tf"), (crossbow_ssgd, "python -m baselines.crossbow_ssgd")):
-        assert main(["--config", cfg, "--precision", "mixed_float16"]) == 2
+    assert run(["--config", cfg, "--precision", "mixed_float16", "--check"]) == 0
+    capsys.readouterr()
+    # Loss scaling runs on one worker: several workers under TF_CONFIG are refused before any training.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    for main, args, prog in ((run, ["--check"], "crossbow_tf"), (crossbow_ssgd, [], "python -m baselines.crossbow_ssgd")):
+        assert main(["--config", cfg, "--precision", "mixed_float16", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error:")
-        assert "mixed_float16 needs loss scaling" in err and "not support" in err
-    half = write(tmp_path / "half.yaml", experiment(precision="mixed_float16"))
-    assert run(["--config", half]) == 2 and "loss scaling" in capsys.readouterr().err
+        assert "mixed_float16 (loss scaling) across several workers is not supported yet" in err
+    monkeypatch.delenv("TF_CONFIG")
     with pytest.raises(SystemExit) as stop:
         run(["--config", cfg, "--precision", "float8"])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and "--precision: invalid choice: 'float8'" in err
     bad = write(tmp_path / "bad.yaml", experiment(precision="bfloat16"))
     assert run(["--config", bad]) == 2 and "precision: unknown 'bfloat16'" in capsys.readouterr().err
-    # The harness: a key like any other (fixed or in a grid), refused at planning time, before any
-    # run, for the engine's methods only.
-    def plan(methods):
-        doc = dict(experiment(target_accuracy=0.9), compare=dict(budget=2, seeds=[0], methods=methods))
-        return subprocess.run([sys.executable, "tools/compare.py", "--config", write(tmp_path / "compare.yaml", doc),
-                               "--out", str(tmp_path / "out"), "--dry-run"], capture_output=True, text=True,
-                              timeout=120, cwd=REPO)
-    planned = plan({"tf_half": {"method": "tf_ssgd", "fixed": {"precision": "mixed_float16"}},
-                    "sma": {"grid": {"precision": ["float32", "mixed_bfloat16"]}}})
+    # The harness: a key like any other (fixed or in a grid), for the engine's methods too.
+    doc = dict(experiment(target_accuracy=0.9), compare=dict(budget=2, seeds=[0], methods={
+        "tf_half": {"method": "tf_ssgd", "fixed": {"precision": "mixed_float16"}},
+        "sma": {"grid": {"precision": ["float32", "mixed_bfloat16", "mixed_float16"]}}}))
+    planned = subprocess.run([sys.executable, "tools/compare.py", "--config", write(tmp_path / "compare.yaml", doc),
+                              "--out", str(tmp_path / "out"), "--dry-run"], capture_output=True, text=True,
+                             timeout=120, cwd=REPO)
     assert planned.returncode == 0, planned.stderr[-2000:]
-    assert "precision=mixed_bfloat16" in planned.stdout
-    refused = plan({"sma": {"fixed": {"precision": "mixed_float16"}}, "tf_ssgd": {}})
-    err = refused.stderr.strip()
-    assert refused.returncode == 2 and len(err.splitlines()) == 1 and "mixed_float16 needs loss scaling" in err
-    # use_sma: Keras's compile wraps the optimizer in a LossScaleOptimizer under mixed_float16.
-    import crossbow_tf
-    with global_policy("mixed_float16"):
-        model = small_cnn()
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS)
-    with pytest.raises(ValueError, match="mixed_float16 needs loss scaling .* not support yet"):
-        crossbow_tf.use_sma(model, CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
+    assert "precision=mixed_bfloat16" in planned.stdout and "precision=mixed_float16" in planned.stdout
 
 
 def test_a_checkpoint_from_before_the_key_resumes_as_float32():
@@ -258,24 +249,30 @@ def test_a_checkpoint_from_before_the_key_resumes_as_float32():
         "precision ('float32' in the checkpoint, 'mixed_bfloat16' now)"]
 
 
-def test_fit_under_mixed_bfloat16_reaches_the_accuracy_of_float32(cpu_devices):
-    """A Keras fit through use_sma on the embedded digits, float32 against mixed_bfloat16."""
+def fit_digits(policy, devices):
+    """A small CNN fitted through use_sma on the embedded digits under POLICY for 3 epochs: (the
+    model, its test accuracy)."""
     import crossbow_tf
     (x, y), (x_test, y_test) = crossbow_tf.data.load_embedded_mnist()
+    with global_policy(policy):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.MaxPooling2D(2),
+            keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dropout(0.2),
+            keras.layers.Dense(10), keras.layers.Activation("linear", dtype="float32")])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS, metrics=["accuracy"])
+        crossbow_tf.use_sma(model, CrossbowStrategy(devices=devices, learners_per_device=2))
+        model.fit(x, y, batch_size=64, epochs=3, verbose=0)
+    return model, model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
+
+
+def test_fit_under_mixed_bfloat16_reaches_the_accuracy_of_float32(cpu_devices):
+    """A Keras fit through use_sma on the embedded digits, float32 against mixed_bfloat16."""
     accuracy = {}
     for policy in ("float32", "mixed_bfloat16"):
-        with global_policy(policy):
-            keras.utils.set_random_seed(0)
-            model = keras.Sequential([
-                keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.MaxPooling2D(2),
-                keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dropout(0.2),
-                keras.layers.Dense(10), keras.layers.Activation("linear", dtype="float32")])
-            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=LOSS, metrics=["accuracy"])
-            crossbow_tf.use_sma(model, CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
-            model.fit(x, y, batch_size=64, epochs=3, verbose=0)
+        model, accuracy[policy] = fit_digits(policy, cpu_devices[:2])
         assert {v.dtype for v in model.weights} == {"float32"}
         assert model.layers[0].compute_dtype == policy.split("_")[-1]
-        accuracy[policy] = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
     assert accuracy["float32"] > 0.9
     assert abs(accuracy["mixed_bfloat16"] - accuracy["float32"]) < 0.03, accuracy
 

@@ -5,7 +5,8 @@ writes it under temporary names and renames it into place, then updates the dire
 a killed process leaves the previous checkpoints intact; ``max_to_keep`` bounds the directory).
 It holds every device's learners (weights, velocities and non-trainable state: BatchNorm
 statistics, the seed state Dropout draws its masks from; with a Keras optimizer for the learners,
-its step count and its slots, stacked per learner), z and u, and one JSON record: the
+its step count and its slots, stacked per learner), z and u, under mixed_float16 the loss scale and
+its good-step count, and one JSON record: the
 configuration, the progress (``Progress``), the learners per device the run uses (the auto-tuner's
 choice, so a resumed run does not re-tune) and the results so far (the tuner's curve among them).
 
@@ -159,6 +160,9 @@ class Checkpoints:
             return
         with tf.device("/CPU:0"):
             self._record = tf.Variable("", dtype=tf.string, trainable=False)
+        if e.loss_scale is not None:
+            # mixed_float16's dynamic loss scale and its good iterations since it last changed.
+            groups["loss_scale"] = [e.loss_scale, e.good_steps]
         self.checkpoint = tf.train.Checkpoint(
             center=e.center, center_velocity=e.center_velocity, center_states=e.center_states,
             record=self._record, **groups)

@@ -97,7 +97,8 @@ class Engine:
     """
 
     def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True,
-                 reset_on_lr_drop=True, optimizer=None):
+                 reset_on_lr_drop=True, optimizer=None, loss_scale=False, initial_scale=2.0 ** 15,
+                 dynamic_growth_steps=2000):
         """RESET_ON_LR_DROP: ``train_step`` restarts every learner from z when its learning rate is
         lower than the previous call's (Crossbow's rule for step schedules; SMA only). Pass False
         for a smoothly decaying rate, which falls at every step, and call ``reset_learners()`` at
@@ -106,7 +107,13 @@ class Engine:
         OPTIMIZER: a Keras optimizer (elementwise: Adam, AdamW, RMSprop, Nesterov SGD, ...) whose own
         step the learners take, each with its own state, instead of the rule's momentum step (the
         rule's correction follows it; for S-SGD it is z's optimizer). Its learning rate is
-        ``train_step``'s. None (default): the rule's own fused momentum SGD."""
+        ``train_step``'s. None (default): the rule's own fused momentum SGD.
+
+        LOSS_SCALE: dynamic loss scaling for float16, as Keras's LossScaleOptimizer: every learner's
+        loss is multiplied by one shared scale (INITIAL_SCALE first) and its float32 gradients divided
+        by it; an iteration in which any gradient of any learner is not finite is skipped by every
+        learner and z alike (nothing changes) and halves the scale, and DYNAMIC_GROWTH_STEPS good
+        iterations in a row double it. Off (default): no scaling op in the step at all."""
         from crossbow_tf.distribute.strategy import CrossbowStrategy
         if not isinstance(model, keras.Model):
             raise TypeError(f"Engine: model must be a keras.Model, got {type(model).__name__}")
@@ -130,6 +137,19 @@ class Engine:
             if not algorithm.gradient_at_center and not hasattr(algorithm, "correct"):
                 raise ValueError(f"Engine: {type(algorithm).__name__} has no correct() to follow a Keras "
                                  "optimizer's step")
+        if not isinstance(loss_scale, bool):
+            raise TypeError(f"Engine: loss_scale must be True or False, got {loss_scale!r}")
+        if loss_scale:
+            if not (isinstance(initial_scale, numbers.Real) and math.isfinite(initial_scale)
+                    and initial_scale >= np.finfo(np.float32).tiny):
+                raise ValueError(f"Engine: initial_scale must be a finite positive number, got {initial_scale!r}")
+            if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) \
+                    or dynamic_growth_steps < 1:
+                raise ValueError(f"Engine: dynamic_growth_steps must be an integer >= 1, got {dynamic_growth_steps!r}")
+            if strategy.cluster is not None:
+                from crossbow_tf.errors import ConfigError
+                raise ConfigError("loss scaling (mixed_float16) across several workers is not supported yet: train "
+                                  "on one worker, or use mixed_bfloat16 or float32")
         self.model = model
         self.strategy = strategy
         self.algorithm = algorithm.resolve(strategy.num_learners)
@@ -207,6 +227,13 @@ class Engine:
                 # A non-finite loss in a local step waits for the next synchronisation, so that
                 # every worker learns of it in the same iteration.
                 self._pending_non_finite = tf.Variable(0.0, trainable=False, name="pending_non_finite")
+            # The dynamic loss scale, one for every learner, and the good iterations since it last changed.
+            self.loss_scale = self.good_steps = None
+            if loss_scale:
+                self.dynamic_growth_steps = int(dynamic_growth_steps)
+                self.loss_scale = tf.Variable(float(initial_scale), dtype=tf.float32, trainable=False,
+                                              name="loss_scale")
+                self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
 
     def _learner_states(self, state, is_float, device_index):
         m = self.strategy.learners_per_device
@@ -316,15 +343,21 @@ class Engine:
         strategy, alg = self.strategy, self.algorithm
         x, y, mask, total_count = self._worker_slices(x, y, mask, total_count)
         m, b = strategy.learners_per_device, x.shape[2]
+        computed = self._learners_on_devices([[w.read_value() for w in self.weights[d]] for d in range(strategy.num_devices)],
+                                             x, y, mask)
+
+        def own_steps():
+            for d, device in enumerate(strategy.devices):
+                with tf.device(device):
+                    _, grads, new_states, _ = computed[d]
+                    self.step_learners(d, grads, lr)
+                    for variable, value in zip(self.states[d], new_states):
+                        variable.assign(value)
+        underflowed = self._unless_overflow(computed, own_steps)
         loss_sums, all_preds = [], []
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
-                weights = [w.read_value() for w in self.weights[d]]
-                states = [s.read_value() for s in self.states[d]]
-                losses, grads, new_states, preds = self.learners(weights, states, x[d], y[d], mask[d])
-                self.step_learners(d, grads, lr)
-                for variable, value in zip(self.states[d], new_states):
-                    variable.assign(value)
+                losses, _, _, preds = computed[d]
                 loss_sums.append(tf.reduce_sum(losses * tf.reduce_sum(mask[d], axis=1)))
                 all_preds.append(preds)
         with tf.device(strategy.devices[0]):
@@ -338,6 +371,8 @@ class Engine:
                 finite = tf.math.is_finite(loss)
                 self._pending_non_finite.assign(tf.maximum(self._pending_non_finite, 1.0 - tf.cast(finite, tf.float32)))
                 loss = tf.where(finite, loss, tf.zeros_like(loss))
+            if self.loss_scale is not None:
+                loss = tf.where(underflowed, tf.constant(float("nan"), loss.dtype), loss)
             self._finite.assign(tf.stack([tf.math.is_finite(loss), self._finite[1]]))
             loss = tf.where(tf.math.is_finite(loss), loss, tf.constant(float("nan"), loss.dtype))
         preds = tf.concat([tf.reshape(p, [m * b] + p.shape[2:].as_list()) for p in all_preds], 0)
@@ -345,18 +380,79 @@ class Engine:
 
     def _step_fn(self, x, y, mask, lr, total_count=None):
         strategy, alg = self.strategy, self.algorithm
-        D, m = strategy.num_devices, strategy.learners_per_device
+        m = strategy.learners_per_device
         x, y, mask, total_count = self._worker_slices(x, y, mask, total_count)
         b = x.shape[2]
+        weights = []
+        for d, device in enumerate(strategy.devices):
+            with tf.device(device):
+                weights.append([tf.broadcast_to(z, [m] + z.shape.as_list()) for z in self.center[d]]
+                               if alg.gradient_at_center else [w.read_value() for w in self.weights[d]])
+        computed = self._learners_on_devices(weights, x, y, mask)
+        if self.loss_scale is None:
+            loss_sum = self._synchronise(computed, mask, lr, total_count)
+        else:   # one worker (cross-worker loss scaling is refused): the loss sum needs no reduction
+            loss_sum = tf.reduce_sum(tf.stack([tf.reduce_sum(losses * tf.reduce_sum(mask[d], axis=1))
+                                               for d, (losses, *_) in enumerate(computed)]))
+            underflowed = self._unless_overflow(computed, lambda: self._synchronise(computed, mask, lr, total_count))
+        loss = loss_sum / tf.maximum(total_count, 1.0)
+        if self.loss_scale is not None:
+            loss = tf.where(underflowed, tf.constant(float("nan"), loss.dtype), loss)
+        # One pass over z, not over the k learners' copies: checking those in the step made a LeNet
+        # iteration with 8 learners about 10% slower. A learner gone non-finite shows in its next loss.
+        with tf.device(strategy.devices[0]):
+            center_finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(z)) for z in self.center[0]]))
+            finite = tf.stack([tf.math.is_finite(loss), center_finite])
+            self._finite.assign(finite)
+            loss = tf.where(tf.reduce_all(finite), loss, tf.constant(float("nan"), loss.dtype))
+        preds = tf.concat([tf.reshape(p, [m * b] + p.shape[2:].as_list()) for *_, p in computed], 0)
+        return loss, preds
+
+    def _learners_on_devices(self, weights, x, y, mask):
+        """Every device's learners on their slices: per device (losses, grads, new states, predictions),
+        with the gradients of the scaled loss unscaled when the loss is scaled."""
+        scale = {} if self.loss_scale is None else dict(scale=self.loss_scale.read_value())
+        computed = []
+        for d, device in enumerate(self.strategy.devices):
+            with tf.device(device):
+                states = [s.read_value() for s in self.states[d]]
+                computed.append(self.learners(weights[d], states, x[d], y[d], mask[d], **scale))
+        return computed
+
+    def _unless_overflow(self, computed, update):
+        """Runs UPDATE (the iteration's changes to every variable); with loss scaling only when every
+        gradient of every learner in COMPUTED is finite (otherwise nothing changes), then halves the
+        loss scale after a skipped iteration and doubles it after dynamic_growth_steps good ones in a
+        row, as Keras's LossScaleOptimizer. Returns (with loss scaling) whether the scale has
+        underflowed (fallen below the smallest normal float32): a divergence."""
+        if self.loss_scale is None:
+            update()
+            return None
+        with tf.device(self.strategy.devices[0]):
+            finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for _, grads, *_ in computed
+                                             for g in grads]))
+
+        def run():
+            update()
+            return tf.constant(True)
+        tf.cond(finite, run, lambda: tf.constant(False))
+        with tf.device(self.strategy.devices[0]):
+            scale, good = self.loss_scale.read_value(), self.good_steps.read_value()
+            grow = tf.logical_and(finite, tf.equal(good, self.dynamic_growth_steps - 1))
+            self.loss_scale.assign(tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5))
+            self.good_steps.assign(tf.where(tf.logical_and(finite, tf.logical_not(grow)), good + 1,
+                                            tf.zeros_like(good)))
+            return self.loss_scale.read_value() < np.finfo(np.float32).tiny
+
+    def _synchronise(self, computed, mask, lr, total_count):
+        """The synchronising iteration's update of the learners, z, u and the states from COMPUTED
+        (``_learners_on_devices``); returns the iteration's loss sum (over every worker)."""
+        strategy, alg = self.strategy, self.algorithm
+        D, m = strategy.num_devices, strategy.learners_per_device
         local = []
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
-                if alg.gradient_at_center:
-                    weights = [tf.broadcast_to(z, [m] + z.shape.as_list()) for z in self.center[d]]
-                else:
-                    weights = [w.read_value() for w in self.weights[d]]
-                states = [s.read_value() for s in self.states[d]]
-                losses, grads, new_states, preds = self.learners(weights, states, x[d], y[d], mask[d])
+                losses, grads, new_states, _ = computed[d]
                 counts = tf.reduce_sum(mask[d], axis=1)
                 share = counts / tf.maximum(total_count, 1.0)
                 shares = [tf.reshape(share, [m] + [1] * (len(g.shape) - 1)) for g in grads]
@@ -371,8 +467,7 @@ class Engine:
                 state_sums = [tf.reduce_sum(s - zs, axis=0) for s, zs, f in
                               zip(new_states, self.center_states[d], self._float_state) if f]
                 loss_sum = tf.reduce_sum(losses * counts)
-                local.append(dict(states=new_states, sums=sums + state_sums,
-                                  loss_sum=loss_sum, preds=preds))
+                local.append(dict(states=new_states, sums=sums + state_sums, loss_sum=loss_sum))
         reduced = all_reduce_sum(strategy.cross_device_ops, [l["sums"] for l in local])
         # A stacked sum, not add_n: AddN's order (and so the reported loss's last bit) varies by run.
         loss_sum = tf.reduce_sum(tf.stack([l["loss_sum"] for l in local]))
@@ -401,16 +496,7 @@ class Engine:
                         self.center_states[d][i].assign(self.center_states[d][i] + next(float_states) / k)
         if alg.restarts_learners:
             self._reset_fn()
-        loss = loss_sum / tf.maximum(total_count, 1.0)
-        # One pass over z, not over the k learners' copies: checking those in the step made a LeNet
-        # iteration with 8 learners about 10% slower. A learner gone non-finite shows in its next loss.
-        with tf.device(strategy.devices[0]):
-            center_finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(z)) for z in self.center[0]]))
-            finite = tf.stack([tf.math.is_finite(loss), center_finite])
-            self._finite.assign(finite)
-            loss = tf.where(tf.reduce_all(finite), loss, tf.constant(float("nan"), loss.dtype))
-        preds = tf.concat([tf.reshape(l["preds"], [m * b] + l["preds"].shape[2:].as_list()) for l in local], 0)
-        return loss, preds
+        return loss_sum
 
     def _local_update_fn(self, weights, velocities, grads, centers, lr, shares):
         """The learners' rule on a group of weights of a device (one XLA launch): their new weights
@@ -506,6 +592,9 @@ class Engine:
         diagnosis and before a checkpoint, not for every iteration."""
         loss_finite, _ = self._finite.numpy()
         names = [] if loss_finite else ["the loss"]
+        if self.loss_scale is not None and self.loss_scale.numpy() < np.finfo(np.float32).tiny:
+            names.append(f"the loss scale (underflowed to {self.loss_scale.numpy():.3g}: every iteration's "
+                         "gradients overflowed in float16)")
         if not all(np.isfinite(v.numpy()).all() for v in self.center[0] + self.center_velocity[0]):
             names.append("z")
         m = self.strategy.learners_per_device

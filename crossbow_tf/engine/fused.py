@@ -45,7 +45,8 @@ from keras.src.backend import AutocastScope
 from keras.src.layers.preprocessing.image_preprocessing.base_image_preprocessing_layer import (
     BaseImagePreprocessingLayer)
 
-from crossbow_tf.engine.replicated import ReplicatedLearners, in_variable_dtypes, masked_mean, per_example_loss_fn
+from crossbow_tf.engine.replicated import (ReplicatedLearners, in_variable_dtypes, masked_mean, per_example_loss_fn,
+                                           unscaled)
 
 log = logging.getLogger("crossbow_tf")
 
@@ -490,17 +491,19 @@ class FusedLearners:
         self._weights = self._states = self._new_states = None
         return outputs, new_states
 
-    def __call__(self, weights, states, x, y, mask):
+    def __call__(self, weights, states, x, y, mask, scale=None):
         with tf.GradientTape() as tape:
             tape.watch(weights)
             preds, new_states = self.forward(weights, states, x)
             losses = tf.stack([masked_mean(self.per_example_loss(y[i], preds[i]), mask[i])
                                for i in range(x.shape[0])])
             total = tf.reduce_sum(losses)
+            if scale is not None:   # loss scaling (float16): the gradients come back divided by SCALE
+                total = total * scale
         # Each learner's loss depends only on its own slice of the stacks, so the gradient of
         # the sum is every learner's own gradient.
         grads = tape.gradient(total, weights, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return losses, in_variable_dtypes(grads, weights), new_states, preds
+        return losses, unscaled(in_variable_dtypes(grads, weights), scale), new_states, preds
 
 
 # Models already announced as running replicated: the notice comes once per model, not at every

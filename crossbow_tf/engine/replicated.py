@@ -29,6 +29,12 @@ def in_variable_dtypes(grads, weights):
     return [tf.cast(g, w.dtype) for g, w in zip(grads, weights)]
 
 
+def unscaled(grads, scale):
+    """GRADS (float32) of a loss multiplied by SCALE, divided by it as Keras's LossScaleOptimizer does
+    (SCALE None: the loss was not scaled)."""
+    return grads if scale is None else [g / scale for g in grads]
+
+
 def masked_mean(per_example, mask):
     per_example = tf.reshape(tf.cast(per_example, mask.dtype), [tf.shape(mask)[0], -1])
     per_example = tf.reduce_mean(per_example, axis=1)
@@ -45,8 +51,9 @@ class ReplicatedLearners:
         self.model = model
         self.per_example_loss = per_example_loss_fn(loss)
 
-    def __call__(self, weights, states, x, y, mask):
-        """Runs every learner on its slice.
+    def __call__(self, weights, states, x, y, mask, scale=None):
+        """Runs every learner on its slice (SCALE: the loss scale its loss is multiplied by for the
+        gradients, which come back divided by it; None: no loss scaling).
 
         Args:
           weights: list over trainable variables of stacks (m, ...).
@@ -68,8 +75,9 @@ class ReplicatedLearners:
                 loss = masked_mean(self.per_example_loss(y[i], y_pred), mask[i])
                 if extra:
                     loss = loss + tf.add_n([tf.cast(e, loss.dtype) for e in extra])
-            grads.append(in_variable_dtypes(
-                tape.gradient(loss, w_i, unconnected_gradients=tf.UnconnectedGradients.ZERO), w_i))
+                scaled = loss if scale is None else loss * scale
+            grads.append(unscaled(in_variable_dtypes(
+                tape.gradient(scaled, w_i, unconnected_gradients=tf.UnconnectedGradients.ZERO), w_i), scale))
             losses.append(loss)
             new_states.append(s_new)
             preds.append(y_pred)

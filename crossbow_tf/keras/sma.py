@@ -180,11 +180,14 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     if not getattr(model, "compiled", False):
         raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
                          "loss=...) first")
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
-        # What Keras's compile puts around the optimizer under mixed_float16.
-        raise ValueError("mixed_float16 needs loss scaling (Keras wrapped the optimizer in a LossScaleOptimizer), "
-                         "which Crossbow training does not support yet; use mixed_bfloat16 or float32")
-    rule = algorithm_from_optimizer(model.optimizer, algorithm, alpha, central_momentum, weight_decay)
+    optimizer, loss_scale = model.optimizer, {}
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        # What Keras's compile puts around the optimizer under mixed_float16: the engine scales every
+        # learner's loss with its rules, and the learners take the inner optimizer's steps.
+        loss_scale = dict(loss_scale=True, initial_scale=float(optimizer.initial_scale),
+                          dynamic_growth_steps=int(optimizer.dynamic_growth_steps))
+        optimizer = optimizer.inner_optimizer
+    rule = algorithm_from_optimizer(optimizer, algorithm, alpha, central_momentum, weight_decay)
     check_compiled_loss(model)
     detach(model)
     if reset_on_lr_drop not in ("auto", True, False) or not isinstance(reset_on_lr_drop, (str, bool)):
@@ -196,7 +199,7 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
               "compiles the engine's own step with XLA (slower on CPU)", flush=True)
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
                                 learners=learners, per_learner_batch=per_learner_batch,
-                                optimizer=learner_optimizer(model.optimizer))
+                                optimizer=learner_optimizer(optimizer), loss_scale=loss_scale)
     setattr(model, _ATTRIBUTE, training)
     for name in _PATCHED:
         setattr(model, name, getattr(training, name))
@@ -238,7 +241,7 @@ class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
     def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None,
-                 per_learner_batch=False, optimizer=None):
+                 per_learner_batch=False, optimizer=None, loss_scale=None):
         self.model = model
         self.strategy = strategy
         self.loss = CompiledLoss(model)
@@ -246,6 +249,7 @@ class CrossbowTraining:
         self._engine_options = dict(jit_compile=jit_compile, **({} if learners is None else {"learners": learners}))
         # The learners' Keras optimizer (None: the rule's own momentum SGD, from a plain SGD).
         self._engine_options["optimizer"] = optimizer
+        self._engine_options.update(loss_scale or {})   # Engine's loss_scale options, from a LossScaleOptimizer
         self.engine = None
         self.algorithm = algorithm.resolve(strategy.num_learners)
         if model.built:

@@ -1,0 +1,177 @@
+"""Dynamic loss scaling for mixed_float16, as Keras's LossScaleOptimizer: one shared scale, an
+iteration whose gradients overflow skipped by every learner and z alike with the scale halved, the
+scale doubled after dynamic_growth_steps good iterations, its state in checkpoints; use_sma with
+Keras's LossScaleOptimizer and the command line under mixed_float16."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from crossbow_tf.algorithms import SMA
+from crossbow_tf.distribute import CrossbowStrategy
+from crossbow_tf.engine.core import Engine
+# Keras's global policy is process-wide: the autouse fixture leaves it float32 after each test.
+from test_mixed_precision import fit_digits, float32_after_each_test, global_policy  # noqa: F401
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+SHAPE, CLASSES = (8, 8, 2), 4
+
+
+def small_cnn():
+    inputs = keras.Input(SHAPE)
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Activation("relu")(x)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dropout(0.3)(x)
+    x = keras.layers.Dense(CLASSES)(x)
+    return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(x))
+
+
+def make_engine(devices, rule=SMA(), learners="fused", **options):
+    with global_policy("mixed_float16"):
+        keras.utils.set_random_seed(0)
+        model = small_cnn()
+    return Engine(model, LOSS, rule, CrossbowStrategy(devices=devices, learners_per_device=2), learners=learners,
+                  loss_scale=True, **options)
+
+
+def everything(engine):
+    """Every variable an iteration may change: learners' weights, velocities and state, optimizer
+    state, z, u and z's state."""
+    groups = engine.weights + engine.velocities + engine.states + engine.optimizer_states
+    groups += engine.center + engine.center_velocity + engine.center_states
+    return [v.numpy().copy() for group in groups for v in group]
+
+
+def batch(engine, seed):
+    rng = np.random.default_rng(seed)
+    kb = engine.num_learners * 8
+    return rng.random((kb,) + SHAPE, dtype=np.float32), rng.integers(0, CLASSES, kb).astype(np.int32)
+
+
+@pytest.mark.parametrize("learners, rule, optimizer", [
+    ("fused", SMA(), None), ("replicated", SMA(sync_period=2), None), ("fused", SMA(), "adam")])
+def test_an_overflow_skips_the_iteration_everywhere_and_halves_the_scale(cpu_devices, learners, rule, optimizer):
+    """A scale of 2**40 makes the float16 backward pass overflow (the loss itself stays finite):
+    nothing changes, in the synchronising and the local step alike, and the scale halves; at a
+    scale the gradients fit, the step trains and counts a good step."""
+    options = {} if optimizer is None else dict(optimizer=keras.optimizers.Adam(1e-3))
+    engine = make_engine(cpu_devices[:2], rule, learners, initial_scale=2.0 ** 40, **options)
+    for iteration in range(2):   # with sync_period=2: a local step, then a synchronising one
+        before = everything(engine)
+        loss, _ = engine.train_step(*batch(engine, iteration), None, 0.05, iteration=iteration)
+        assert np.isfinite(float(loss))
+        assert all(np.array_equal(a, b) for a, b in zip(before, everything(engine)))
+        assert engine.loss_scale.numpy() == 2.0 ** (39 - iteration) and engine.good_steps.numpy() == 0
+        assert engine.non_finite() == []
+    engine.loss_scale.assign(2.0 ** 8)
+    for iteration in range(2, 4):
+        before = everything(engine)
+        engine.train_step(*batch(engine, iteration), None, 0.05, iteration=iteration)
+        changed = [not np.array_equal(a, b) for a, b in zip(before, everything(engine))]
+        assert sum(changed) > len(changed) // 3
+        assert engine.loss_scale.numpy() == 2.0 ** 8 and engine.good_steps.numpy() == iteration - 1
+    assert all(v.dtype == "float32" for group in engine.weights + engine.center for v in group)
+
+
+def test_the_scale_doubles_after_the_growth_steps_and_underflow_is_a_divergence(cpu_devices):
+    engine = make_engine(cpu_devices[:1], initial_scale=4.0, dynamic_growth_steps=3)
+    scales = []
+    for iteration in range(7):
+        engine.train_step(*batch(engine, iteration), None, 0.05)
+        scales.append((float(engine.loss_scale.numpy()), int(engine.good_steps.numpy())))
+    assert scales == [(4, 1), (4, 2), (8, 0), (8, 1), (8, 2), (16, 0), (16, 1)]
+    # A scale below float32's smallest normal number: the step's loss is NaN and names it.
+    engine.loss_scale.assign(float(np.finfo(np.float32).tiny))
+    engine.train_step(*batch(engine, 9), None, 0.05, iteration=8)   # a good step keeps it
+    x, y = batch(engine, 10)
+    x[:] = 1e30   # inf in float16: every gradient overflows, the scale halves below tiny
+    loss, _ = engine.train_step(x, y, None, 0.05)
+    assert np.isnan(float(loss))
+    assert any(name.startswith("the loss scale (underflowed") for name in engine.non_finite())
+
+
+def test_loss_scaling_is_refused_with_bad_options(cpu_devices):
+    with pytest.raises(ValueError, match="dynamic_growth_steps must be an integer >= 1"):
+        make_engine(cpu_devices[:1], dynamic_growth_steps=0)
+    with pytest.raises(ValueError, match="initial_scale must be a finite positive number"):
+        make_engine(cpu_devices[:1], initial_scale=float("inf"))
+
+
+def test_fit_under_mixed_float16_through_use_sma_reaches_the_accuracy_of_float32(cpu_devices):
+    """Keras's compile wraps the SGD in its LossScaleOptimizer; use_sma takes the rate and momentum
+    from the inner SGD and the scale's rules from the wrapper."""
+    import crossbow_tf
+    accuracy = {}
+    for policy in ("float32", "mixed_float16"):
+        model, accuracy[policy] = fit_digits(policy, cpu_devices[:2])
+        engine = getattr(model, crossbow_tf.keras.sma._ATTRIBUTE).engine
+        if policy == "mixed_float16":
+            assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+            assert engine.algorithm.momentum == 0.9 and engine.optimizers is None
+            assert 0 < engine.loss_scale.numpy() <= 2.0 ** 15
+        else:
+            assert engine.loss_scale is None
+        assert {v.dtype for v in model.weights if v.dtype.startswith("float")} == {"float32"}
+    assert accuracy["float32"] > 0.9
+    assert abs(accuracy["mixed_float16"] - accuracy["float32"]) < 0.03, accuracy
+
+
+def test_sigkill_then_resume_with_a_loss_scale_in_the_checkpoint_is_bit_identical(tmp_path):
+    """The command line under mixed_float16 (crossbow_tf.run with a BatchNorm + Dropout model): it
+    records the precision, learns, and its checkpoints hold the loss scale and its good-step count,
+    which a resumed run continues (restarted, the count would end lower)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from test_checkpoint import DRIVER, HEADER, Process, assert_bit_identical, final_state, tiny_config
+    from crossbow_tf.engine.checkpoint import checkpoint_paths
+    config = tiny_config(tmp_path, checkpoint={"every_iterations": 3}, precision="mixed_float16", epochs=1)
+    reference = Process([DRIVER, "--config", config, "--checkpoint-dir", str(tmp_path / "reference"),
+                         "--results", str(tmp_path / "reference.json")])
+    assert reference.wait_for(HEADER)
+    assert reference.finish() == 0, reference.output
+    args = [DRIVER, "--config", config, "--checkpoint-dir", str(tmp_path / "killed"), "--resume",
+            "--results", str(tmp_path / "killed.json"), "--force"]
+    killed = [Process(args)]
+    assert killed[0].wait_for(HEADER)
+    deadline = time.time() + 300
+    while len(checkpoint_paths(str(tmp_path / "killed"))) < 2:   # killed after its first checkpoint past iteration 0
+        assert killed[0].proc.poll() is None and time.time() < deadline, killed[0].output
+        time.sleep(0.01)
+    killed[0].proc.send_signal(signal.SIGKILL)
+    killed[0].finish()
+    killed.append(Process(args))
+    killed[1].finish()
+    codes = [p.proc.returncode for p in killed]
+    assert codes[-1] == 0 and -signal.SIGKILL in codes, (codes, killed[-1].output)
+    resumed = [int(m) for p in killed for m in re.findall(r"resuming from \S+: iteration (\d+)", p.output)]
+    assert any(i > 0 for i in resumed), killed[1].output
+    state = final_state(tmp_path / "reference")
+    scale = [v for k, v in state.items() if k.startswith("loss_scale/")]
+    assert sorted(v.dtype.name for v in scale) == ["float32", "int64"]
+    assert sorted(float(v) for v in scale) == [20.0, 2.0 ** 15]   # no overflow in this run's 20 iterations
+    d = json.loads((tmp_path / "reference.json").read_text())
+    assert d["config"]["precision"] == "mixed_float16" and ", precision mixed_float16" in reference.output
+    assert d["evaluations"][-1]["accuracy"] > 0.8
+    assert_bit_identical(tmp_path / "killed", tmp_path / "reference")
+
+
+def test_use_sma_takes_the_scales_rules_from_a_loss_scale_optimizer_around_adam(cpu_devices):
+    import crossbow_tf
+    with global_policy("mixed_float16"):
+        model = small_cnn()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0 ** 10,
+                                                                dynamic_growth_steps=5), loss=LOSS)
+    crossbow_tf.use_sma(model, CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
+    engine = getattr(model, crossbow_tf.keras.sma._ATTRIBUTE).engine
+    assert engine.loss_scale.numpy() == 2.0 ** 10 and engine.dynamic_growth_steps == 5
+    assert isinstance(engine.optimizers.template, keras.optimizers.Adam)   # the learners take Adam's steps
+    assert engine.algorithm.momentum == 0.0
