@@ -72,7 +72,7 @@ def plot_best_accuracy(stats, series, points, spec, path, series_label):
         ax.axhline(spec.target, color="gray", linestyle=":", linewidth=1, label=f"target {spec.target:.0%}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("global batch G")
-        ax.set_ylabel(f"best test accuracy within {spec.epochs} epochs (median, range over seeds)")
+        ax.set_ylabel(f"best test accuracy in {spec.epochs} epochs\n(median; bars: range over seeds)")
         ax.set_ylim(bottom=max(0.0, min([spec.target - 0.15] + [
             stats[(s.name, g)]["best_accuracy"][1] for s in series for g in points
             if stats.get((s.name, g)) and stats[(s.name, g)]["best_accuracy"][1] is not None and
