@@ -340,7 +340,7 @@ class Engine:
         """An iteration between synchronisations: every learner takes its own step; z, u and z's
         state stay; nothing crosses a device or a worker but each device's loss sum (a scalar, for
         the reported loss)."""
-        strategy, alg = self.strategy, self.algorithm
+        strategy = self.strategy
         x, y, mask, total_count = self._worker_slices(x, y, mask, total_count)
         m, b = strategy.learners_per_device, x.shape[2]
         computed = self._learners_on_devices([[w.read_value() for w in self.weights[d]] for d in range(strategy.num_devices)],
