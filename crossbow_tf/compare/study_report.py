@@ -274,6 +274,17 @@ def final_distance(state):
     return seed_statistics(values)[0] if values else None
 
 
+RESTARTED = "0: the epoch ended on a synchronisation, which restarts every learner from z"
+
+
+def distance_text(method, distance, spec="{:.3f}"):
+    """The distance to z as the report prints it. Local SGD's learners restart from z at every
+    synchronisation, so a 0 there says when the epoch ended, not how far the learners drift."""
+    if distance is None:
+        return None
+    return RESTARTED if method == "localsgd" and distance == 0 else spec.format(distance)
+
+
 def beyond_crossbow(spec, cells, stats, states):
     """(verdict rows, {G: table rows}) of the averaging methods against tuned S-SGD at the points
     where a method beyond Crossbow ran. A method is sooner when its median epochs to target are
@@ -292,7 +303,8 @@ def beyond_crossbow(spec, cells, stats, states):
             st, stat = states[(n, g)], stats.get((n, g))
             table.append([_series_label(series[n]), _cell_text(stat, spec.epochs, progress=search_progress(spec, st)),
                           fmt_stat(stat["best_accuracy"], 4) if stat else "–",
-                          fmt(final_distance(st), 3) if series[n].method != "tf_ssgd" else "",
+                          (distance_text(series[n].method, final_distance(st)) or "–")
+                          if series[n].method != "tf_ssgd" else "",
                           stat["setting"] if stat else "–"])
         tables[g] = table
         complete = all(stats.get((n, g)) and stats[(n, g)]["complete"] for n in at)
@@ -315,9 +327,9 @@ def beyond_crossbow(spec, cells, stats, states):
         def said(n):
             st = stats[(n, g)]
             reach = f"{fmt_stat(st['epochs'], None, 'n/r')} epochs" if st["epochs"][0] is not None else "not reached"
-            distance = final_distance(states[(n, g)])
+            distance = distance_text(series[n].method, final_distance(states[(n, g)]), "{:.3g}")
             return (f"{n} {reach}, best acc {fmt_stat(st['best_accuracy'], 4)}"
-                    + (f", distance to z {distance:.3g}" if distance is not None else "") + f" ({st['setting']})")
+                    + (f", distance to z {distance}" if distance is not None else "") + f" ({st['setting']})")
         rows.append((f"{BEYOND_CLAIM} at G={g}", ("yes: " + ", ".join(winners)) if winners else "no",
                      f"tuned S-SGD {said(s_name)}; " + "; ".join(said(n) for n in averaging if (n, g) in stats),
                      "epochs to target (median over seeds), or where S-SGD does not reach it in "
@@ -375,7 +387,8 @@ def build_report(out, spec, cells, experiment, args):
         peak = max(evals, key=lambda e: e.get("learner_accuracy") or 0)
         why.append([name, g, st["cell"].k, describe(st["best"]["point"]), len(evals),
                     f"{last['accuracy']:.4f}", fmt(last.get("learner_accuracy"), 4),
-                    fmt(last.get("learner_distance"), 3), fmt(peak.get("learner_accuracy"), 4),
+                    distance_text(st["cell"].series.method, last.get("learner_distance")) or "–",
+                    fmt(peak.get("learner_accuracy"), 4),
                     outcome_word(run[0], "no")])
     half2 = [[f"b={b}", g, g // b, f"{row['sma']:.0f}", f"{row['keras_global']:.0f}", f"{row['keras_small']:.0f}",
               f"{row['sma'] / row['keras_global']:.2f}", f"{row['sma'] / row['keras_small']:.2f}",
