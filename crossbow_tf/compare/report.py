@@ -43,8 +43,27 @@ def load_curves(records):
     return out
 
 
-def compare_markdown(spec, rows, outcome):
+def ratio_line(rows, target):
+    """The report's sentence on the TTA ratio of the best SMA entry to the best baseline of ROWS
+    (compare_rows), or why there is none: which side did not reach TARGET (a median time to target
+    needs the target reached in more than half of the seeds), or which side was not compared."""
     ratio, sma, base = tta_ratio(rows)
+    if ratio is not None:
+        return (f"**TTA ratio SMA / best baseline = {ratio:.2f}** ({sma} against {base}; "
+                f"below 1 means SMA reaches {target:.0%} sooner).")
+    goal = f"{target:.0%} in more than half of its seeds"
+    if not any(r["method"] == "sma" for r in rows):
+        why = ["no SMA entry was compared"]
+    else:
+        why = [f"SMA did not reach {goal}" if sma is None else f"{sma} reached {target:.0%}"]
+    if not any(r["method"] != "sma" for r in rows):
+        why.append("no baseline was compared")
+    else:
+        why.append(f"no baseline reached {goal}" if base is None else f"{base} reached {target:.0%}")
+    return f"TTA ratio SMA / best baseline: not available ({'; '.join(why)})."
+
+
+def compare_markdown(spec, rows, outcome):
     headers = ["method", "best of trials", "global batch", "seeds reached", "epochs to target",
                "TTA (s)", "images/s", "best accuracy", "trace (s)", "epoch-start wait (s)"]
     table = markdown_table(headers, [
@@ -53,12 +72,7 @@ def compare_markdown(spec, rows, outcome):
          fmt_stat(r["epochs"], None, "not reached"), fmt_stat(r["tta"], 2, "not reached"), fmt_stat(r["images_per_second"], 0),
          fmt_stat(r["best_accuracy"], 4), fmt_stat(r["trace_time"]), fmt_stat(r["epoch_start_wait"])]
         for r in rows])
-    if ratio is None:
-        ratio_line = (f"TTA ratio SMA / best baseline: not available ({'SMA' if sma is None else 'no baseline'} "
-                      f"reached {spec.target:.0%} in at least half of its seeds).")
-    else:
-        ratio_line = (f"**TTA ratio SMA / best baseline = {ratio:.2f}** ({sma} against {base}; "
-                      f"below 1 means SMA reaches {spec.target:.0%} sooner).")
+    ratio_text = ratio_line(rows, spec.target)
     trials = []
     for name, o in outcome.items():
         for label, point, _ in o["trials"]:
@@ -76,8 +90,8 @@ def compare_markdown(spec, rows, outcome):
         f"at most {spec.budget} trial(s) from its grid on search seed(s) {spec.search_seeds}; the best trial "
         f"(lowest median time to target) then ran on seeds {spec.seeds}. Cells: median [min–max] over those "
         "seeds (n/r: some seed did not reach the target). TTA counts training time only (evaluation "
-        "excluded; tracing included, and also shown as *trace*).",
-        table, ratio_line, "### Search trials",
+        "excluded; tracing included once, however often a run was resumed, and also shown as *trace*).",
+        table, ratio_text, "### Search trials",
         markdown_table(["method", "trial", "settings", "seed", "load at start", "TTA (s)", "epochs", "best accuracy"],
                        trials)])
 
@@ -156,7 +170,16 @@ def command_line():
         head = ["python", os.path.relpath(script)]
     else:   # an installed entry point: crossbow-compare
         head = [os.path.basename(script)]
-    return " ".join(head + sys.argv[1:])
+    return " ".join(head + [relative_path(a) for a in sys.argv[1:]])
+
+
+def relative_path(argument):
+    """ARGUMENT with an absolute path (alone, or after ``--flag=``) made relative to this folder, so
+    that a recorded command names no machine's folders: /work/x/docs/out, run in /work/x, is docs/out."""
+    flag, eq, value = argument.partition("=") if argument.startswith("--") else ("", "", argument)
+    if not os.path.isabs(value):
+        return argument
+    return flag + eq + os.path.relpath(value)
 
 
 def copy_config(src, out_dir):

@@ -20,20 +20,20 @@ Four phases, each resumable (--resume reuses every finished run and measurement)
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 
-from crossbow_tf.compare import study_report
+from crossbow_tf.compare import study_report, trials
 from crossbow_tf.compare.plan import count_runs, describe, plan_study
-from crossbow_tf.compare.report import command_line, copy_config, write_json
+from crossbow_tf.compare.report import command_line, copy_config, relative_path, write_json
 from crossbow_tf.compare.runner import PACKAGE_ROOT, machine_info, prepare_out_dir, run_study, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
 from crossbow_tf.errors import ConfigError, CrossbowError
 
 PHASES = ("sweep", "bench", "bn", "report")
-# The throughput bench is a checkout's tools/bench_throughput.py. Its path is part of each bench
-# step's saved command, which --resume compares, so it stays the path it has always been.
+# The throughput bench is a checkout's tools/bench_throughput.py.
 TOOLS = os.path.join(PACKAGE_ROOT, "tools")
 
 
@@ -49,6 +49,7 @@ def parse_args(argv):
     p.add_argument("--bench-examples", type=int, default=8192, help="images per measured bench epoch")
     p.add_argument("--bn-epochs", type=int, default=8, help="epochs of the BatchNorm run")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    trials.add_arguments(p)   # a worker runs the sweep phase's trials only (and the report once they are done)
     return p.parse_args(argv)
 
 
@@ -82,31 +83,83 @@ def bench_jobs(spec, cells):
     return [(b, sorted(ks), devices) for (b, devices), ks in sorted(jobs.items())]
 
 
+# The bench's flags that name files, not what is measured: --resume ignores them.
+BENCH_OUTPUT_FLAGS = ("--json",)
+
+
+def bench_settings(command):
+    """{flag: [values]} of a bench COMMAND (its argument list, or a saved .cmd file's text) without
+    the script and the output paths: what the measurement depends on (model, data, examples,
+    batch, devices, rounds, ks, precision ...). Commands saved anywhere, with any --out, compare
+    equal when they measured the same thing."""
+    if isinstance(command, str):
+        try:
+            command = shlex.split(command)
+        except ValueError:   # an unbalanced quote: never equal to a command of ours
+            return None
+    settings, flag = {}, None
+    for token in command:
+        if token.startswith("--"):
+            flag = token
+            settings.setdefault(flag, [])
+        elif flag is not None:   # tokens before the first flag are the interpreter and the script
+            settings[flag].append(token)
+    for name in BENCH_OUTPUT_FLAGS:
+        settings.pop(name, None)
+    return settings
+
+
+def bench_command(out, experiment, b, ks, devices, rounds, examples):
+    """(BASE, command): the bench of per-learner batch B writes BASE.json, BASE.cmd and BASE.log."""
+    base = os.path.join(out, "bench", f"b{b}")
+    precision = experiment.get("precision", "float32")
+    cmd = [sys.executable, os.path.join(TOOLS, "bench_throughput.py"), "--model", experiment.get("model", "lenet"),
+           "--data", "mnist-shaped", "--examples", str(examples), "--batch-size", str(b), "--devices", str(devices),
+           "--rounds", str(rounds), "--ks", *map(str, ks)] + (
+               ["--precision", precision] if precision != "float32" else []) + ["--json", base + ".json"]
+    return base, cmd
+
+
+def _reusable_bench(base, cmd, ks):
+    """The bench JSON at BASE.json when BASE.cmd measured what CMD measures and the JSON holds every
+    k of KS; else None."""
+    try:
+        with open(base + ".cmd") as f:
+            saved = bench_settings(f.read())
+        if saved != bench_settings(cmd):
+            return None
+        with open(base + ".json") as f:
+            result = json.load(f)
+        if not set(ks) <= {row["k"] for row in result["rows"]}:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return result
+
+
 def run_bench(out, experiment, jobs, rounds, examples, say, resume):
-    """Runs tools/bench_throughput.py once per per-learner batch; returns {b: bench JSON}."""
+    """Runs tools/bench_throughput.py once per per-learner batch; returns {b: bench JSON}.
+
+    RESUME reuses a bench whose saved command (BASE.cmd) has the same settings (bench_settings),
+    wherever it was run from and whatever the report directory was called."""
     results = {}
     os.makedirs(os.path.join(out, "bench"), exist_ok=True)
     for b, ks, devices in jobs:
-        base = os.path.join(out, "bench", f"b{b}")
-        cmd = [sys.executable, os.path.join(TOOLS, "bench_throughput.py"), "--model", experiment.get("model", "lenet"),
-               "--data", "mnist-shaped", "--examples", str(examples), "--batch-size", str(b), "--devices", str(devices),
-               "--rounds", str(rounds), "--ks", *map(str, ks), "--json", base + ".json"]
-        if resume and os.path.exists(base + ".json") and os.path.exists(base + ".cmd"):
-            with open(base + ".cmd") as f:
-                if f.read() == " ".join(cmd[1:]):
-                    say(f"bench b={b}: done before, reusing {os.path.relpath(base + '.json', out)}")
-                    with open(base + ".json") as f2:
-                        results[b] = json.load(f2)
-                    continue
+        base, cmd = bench_command(out, experiment, b, ks, devices, rounds, examples)
+        reused = _reusable_bench(base, cmd, ks) if resume else None
+        if reused is not None:
+            say(f"bench b={b}: done before, reusing {os.path.relpath(base + '.json', out)}")
+            results[b] = reused
+            continue
         say(f"bench b={b}, k in {ks}: SMA against Keras at k*b and at b, {rounds} rounds ...")
         start = time.time()
         with open(base + ".log", "w") as log:
             code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         if code != 0:
-            say(f"      FAILED (exit code {code}; log: {base}.log)")
+            say(f"      FAILED (exit code {code}; log: {os.path.relpath(base)}.log)")
             continue
-        with open(base + ".cmd", "w") as f:
-            f.write(" ".join(cmd[1:]))
+        with open(base + ".cmd", "w") as f:   # as one would type it again here: no machine's folders
+            f.write(shlex.join(relative_path(a) for a in cmd[1:]))
         with open(base + ".json") as f:
             results[b] = json.load(f)
         say(f"      done in {time.time() - start:.0f}s")
@@ -137,10 +190,18 @@ def main(argv=None):
                 for label, point, _ in cell.trials:
                     print(f"{cell.series.name} G={cell.global_batch} k={cell.k} {label}: {describe(point)}")
             for b, ks, devices in jobs:
-                print(f"bench b={b} k={ks} on {devices} device(s)")
+                base, cmd = bench_command(args.out, experiment, b, ks, devices, args.bench_rounds, args.bench_examples)
+                reused = args.resume and _reusable_bench(base, cmd, ks) is not None
+                print(f"bench b={b} k={ks} on {devices} device(s)"
+                      + (f": done before, --resume reuses {os.path.relpath(base)}.json" if reused else ""))
             print(f"{total} training runs (at most), budget {spec.describe_budget()}")
             return 0
-        prepare_out_dir(args.out, force=args.force, resume=args.resume)
+        study = trials.options(args, args.out)
+        if args.worker:
+            args.phases = [p for p in args.phases if p in ("sweep", "report")]
+        prepare_out_dir(args.out, force=args.force, resume=args.resume or trials.joins(args))
+        if args.force and not args.resume:
+            trials.forget(study)
     except CrossbowError as e:
         print(f"reproduce: error: {e}", file=sys.stderr)
         return 2
@@ -150,10 +211,14 @@ def main(argv=None):
     machine_path = os.path.join(out, "machine.json")
     if not os.path.exists(machine_path):
         write_json(machine_path, dict(machine_info(), command=command_line()))
-    runner = Runner(out, total, resume=True if "sweep" not in args.phases else args.resume)
+    runner = Runner(out, total, resume=True, trials=study)
     runner.say(f"reproduce: {len(cells)} cells, {total} runs at most, phases {' '.join(args.phases)}, report in {out}")
     try:
         outcome = run_study(spec, cells, runner) if "sweep" in args.phases else None
+        if outcome is not None and not runner.study.complete():
+            print("reproduce: the study is not complete (runs whose workers died too often); rerun with --resume",
+                  file=sys.stderr)
+            return 1
         bench = run_bench(out, experiment, jobs, args.bench_rounds, args.bench_examples, runner.say,
                           args.resume) if "bench" in args.phases else None
         bn = None
@@ -164,6 +229,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         print(f"reproduce: interrupted; finished runs stay in {out} (rerun with --resume)", file=sys.stderr)
         return 130
+    except CrossbowError as e:   # the storage holds another plan
+        print(f"reproduce: error: {e}", file=sys.stderr)
+        return 2
     if "report" not in args.phases:
         return 0
     report = study_report.build_report(out, spec, cells, experiment, args)
