@@ -28,7 +28,7 @@ from baselines import METHODS
 from baselines._cli import parse_tf_ssgd_options, split_sections
 from crossbow_tf import config as config_lib
 from crossbow_tf.compare.plan import describe
-from crossbow_tf.compare.report import fmt
+from crossbow_tf.compare.report import fmt, relative_path
 from crossbow_tf.compare.stats import best_trial, run_summary, seed_statistics
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.results import format_problems
@@ -167,8 +167,10 @@ class Runner:
         duration = time.time() - start
         self.durations.append(duration)
         record = self._record(label, seed, paths["json"], target, duration, load)
-        # A run that diverged (exit code 3, its results say where) is an outcome, not a failure.
-        finished = record.summary is not None and (code == 0 or (code == 3 and record.summary["diverged"]))
+        # A run that diverged (exit code 3, its results say where) or collapsed (exit code 5, at chance
+        # accuracy) is an outcome, not a failure.
+        finished = record.summary is not None and (code == 0 or (code == 3 and record.summary["diverged"])
+                                                   or (code == 5 and record.summary["collapsed"]))
         if finished:
             shutil.rmtree(checkpoints, ignore_errors=True)
         if not finished:
@@ -222,7 +224,7 @@ class Runner:
         cmd = [self.python, "-m", module, "--config", paths["yaml"], "--results", paths["json"], *extra_args]
         lines = queue.Queue()
         with open(paths["log"], "w") as log:
-            log.write("$ " + " ".join(cmd) + "\n")
+            log.write("$ " + " ".join(relative_path(a) for a in cmd) + "\n")   # names no machine's folders
             if load:
                 log.write(f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
             log.flush()
