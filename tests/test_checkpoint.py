@@ -123,15 +123,29 @@ def assert_bit_identical(directory, reference):
         assert ours[key].tobytes() == theirs[key].tobytes(), f"{key} differs"
 
 
-def kill_and_resume(args, kills, delays):
-    """Runs ARGS (which include --resume) to the end, SIGKILLing it KILLS times, DELAYS()
-    seconds after training started each time, and resuming. Returns the processes."""
+def newest_checkpoint(directory):
+    """The number of the newest checkpoint in DIRECTORY's index file (0 when there is none yet)."""
+    paths = checkpoint_paths(str(directory)) if os.path.exists(os.path.join(directory, "checkpoint")) else []
+    return int(paths[0].rsplit("-", 1)[1]) if paths else 0
+
+
+def kill_and_resume(args, directory, kills, rng, most=4, jitter=0.3, timeout=300):
+    """Runs ARGS (which include --resume and --checkpoint-dir DIRECTORY) to the end, SIGKILLing it
+    KILLS times and resuming. Each kill lands at a seeded random point: after the process has
+    recorded 1 to MOST new checkpoints (at least one past the run's first, the one at its start),
+    then a random 0 to JITTER seconds later, so anywhere in an iteration or in writing the next
+    checkpoint, however busy the machine. Returns the processes."""
     processes = []
     for attempt in range(kills + 1):
         p = Process(args)
         processes.append(p)
-        if attempt < kills and p.wait_for(HEADER):
-            time.sleep(delays())
+        if attempt < kills:
+            target = max(newest_checkpoint(directory), 1) + rng.randint(1, most)
+            deadline = time.time() + timeout
+            while newest_checkpoint(directory) < target:
+                assert time.time() < deadline and p.proc.poll() is None, p.output
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, jitter))
             p.proc.send_signal(signal.SIGKILL)
         p.finish()
     return processes
@@ -156,22 +170,17 @@ def strict_json(text):
 
 def test_sigkill_at_random_points_then_resume_is_bit_identical_with_batchnorm_and_dropout(tmp_path):
     config = tiny_config(tmp_path, checkpoint={"every_iterations": 3})
+    # The uninterrupted reference runs beside the killed ones (the result does not depend on timing).
     reference = Process([DRIVER, "--config", config, "--checkpoint-dir", str(tmp_path / "reference"),
                          "--results", str(tmp_path / "reference.json")])
-    assert reference.wait_for(HEADER)
-    started = time.time()
-    assert reference.finish() == 0, reference.output
-    training_time = time.time() - started
-
-    rng = random.Random(11)
     killed = kill_and_resume([DRIVER, "--config", config, "--checkpoint-dir", str(tmp_path / "killed"),
                               "--resume", "--results", str(tmp_path / "killed.json"), "--force"],
-                             kills=3, delays=lambda: rng.uniform(0.05, 0.95) * training_time)
+                             tmp_path / "killed", kills=3, rng=random.Random(11))
+    assert reference.finish() == 0, reference.output
     codes = [p.proc.returncode for p in killed]
-    assert codes[-1] == 0, killed[-1].output
-    assert -signal.SIGKILL in codes, codes                      # at least one kill landed mid-run
-    resumed = [int(m) for p in killed for m in re.findall(r"resuming from \S+: iteration (\d+)", p.output)]
-    assert any(i > 0 for i in resumed), [p.output for p in killed]
+    assert codes == [-signal.SIGKILL] * 3 + [0], (codes, killed[-1].output)   # every kill landed mid-run
+    resumed = [[int(m) for m in re.findall(r"resuming from \S+: iteration (\d+)", p.output)] for p in killed[1:]]
+    assert all(len(r) == 1 and r[0] > 0 for r in resumed), [p.output for p in killed]
     assert_bit_identical(tmp_path / "killed", tmp_path / "reference")
     ours, theirs = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("killed", "reference"))
     keys = ("epoch", "iteration", "examples", "accuracy", "loss", "train_loss")
@@ -183,13 +192,12 @@ def test_sigkill_then_resume_of_the_auto_tuned_default_is_bit_identical_and_does
     config = tmp_path / "default.yaml"
     from crossbow_tf.run import DEFAULT_CONFIG
     settings = yaml.safe_load(open(DEFAULT_CONFIG))
-    settings.update(epochs=1, stop_at_target=False, checkpoint={"every_iterations": 10})
+    settings.update(epochs=1, stop_at_target=False, checkpoint={"every_iterations": 4})
     write_config(config, **settings)
-    rng = random.Random(5)
     killed = kill_and_resume(["-m", "crossbow_tf.run", "--config", str(config), "--checkpoint-dir",
                               str(tmp_path / "killed"), "--resume", "--results", str(tmp_path / "killed.json"), "--force"],
-                             kills=2, delays=lambda: rng.uniform(0.5, 4.0))
-    assert killed[-1].proc.returncode == 0, killed[-1].output
+                             tmp_path / "killed", kills=2, rng=random.Random(5), most=3)
+    assert [p.proc.returncode for p in killed] == [-signal.SIGKILL] * 2 + [0], killed[-1].output
     assert "auto-tuned learners per device" in killed[0].output
     for p in killed[1:]:   # the tuner's choice comes from the checkpoint
         assert "auto-tuning" not in p.output and "auto-tuned m kept" in p.output, p.output
