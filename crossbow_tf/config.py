@@ -269,9 +269,9 @@ def check_central_loop(c, num_learners):
     (crossbow_tf.algorithms.rules.check_central_loop), unless algorithm.allow_unstable."""
     if c.algorithm.name not in ("sma", "easgd"):
         return
-    from crossbow_tf.stability import check_central_loop as check
+    from crossbow_tf.stability import check_central_loop as check, default_alpha
     a = c.algorithm
-    alpha = a.alpha if a.alpha is not None else (1.0 if a.name == "sma" else 0.9) / num_learners
+    alpha = a.alpha if a.alpha is not None else default_alpha(a.name.upper(), num_learners)
     try:
         check(a.name.upper(), alpha, a.central_step, a.central_momentum if a.name == "sma" else 0.0,
               num_learners, a.allow_unstable)

@@ -27,7 +27,8 @@ import dataclasses
 import math
 import numbers
 
-from crossbow_tf.stability import central_loop_bound, check_central_loop, largest_stable_alpha  # noqa: F401
+from crossbow_tf.stability import (central_loop_bound, check_central_loop, default_alpha,  # noqa: F401
+                                   largest_stable_alpha)
 
 
 def _check_fraction(rule, name, value, low_closed, high_closed, allow_none=False):
@@ -134,7 +135,7 @@ class SMA:
         return self.momentum != 0
 
     def resolve(self, num_learners):
-        alpha = 1.0 / num_learners if self.alpha is None else self.alpha
+        alpha = default_alpha("SMA", num_learners) if self.alpha is None else self.alpha
         check_central_loop("SMA", alpha, self.central_step, self.central_momentum, num_learners,
                            self.allow_unstable)
         resolved = dataclasses.replace(self, alpha=alpha)
@@ -238,7 +239,7 @@ class ElasticAveragingSGD:
         return self.momentum != 0
 
     def resolve(self, num_learners):
-        alpha = 0.9 / num_learners if self.alpha is None else self.alpha
+        alpha = default_alpha("EASGD", num_learners) if self.alpha is None else self.alpha
         check_central_loop("EASGD", alpha, None, 0.0, num_learners, self.allow_unstable)
         return dataclasses.replace(self, alpha=alpha)
 
