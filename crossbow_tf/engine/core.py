@@ -261,7 +261,8 @@ class Engine:
         period = self.algorithm.synchronisation_period
         if period == 1:
             return self._step(x, y, mask, lr, total_count)
-        synchronises = tf.equal((tf.cast(iteration, tf.int64) + 1) % period, 0)
+        # fit refuses post-local SGD, the one rule whose choice needs the epoch length.
+        synchronises = self.algorithm.synchronises(tf.cast(iteration, tf.int64))
         return tf.cond(synchronises, lambda: self._step(x, y, mask, lr, total_count),
                        lambda: self._local_step(x, y, mask, lr, total_count))
 
