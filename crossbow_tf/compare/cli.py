@@ -12,6 +12,7 @@ under DIR/runs/. See docs/harness.md.
     crossbow-compare --config configs/lenet_mnist_cpu.yaml --out /tmp/smoke --budget 1 \\
         --seeds 0 --epochs 2 --no-sweep          # a smoke test of the whole pipeline
 """
+import dataclasses
 import os
 import sys
 
@@ -21,6 +22,7 @@ from crossbow_tf.compare.plots import plot_curves, plot_sweep
 from crossbow_tf.compare.report import (command_line, compare_markdown, copy_config, header_markdown,
                                         load_curves, markdown_table, software_line, sweep_markdown, sweep_series,
                                         write_json)
+from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.runner import machine_info, prepare_out_dir, run_compare, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_compare, parse_sweep
 from crossbow_tf.compare.stats import compare_rows, tta_ratio
@@ -43,6 +45,7 @@ def parse_args(argv):
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
     p.add_argument("--no-sweep", action="store_true", help="skip the sweep: section")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    trials_lib.add_arguments(p)
     cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
@@ -107,7 +110,10 @@ def compare(argv=None):
                 print(f"sweep {series} global batch {g} {label}: {describe(point)}")
             print(f"{total} runs (at most)")
             return 0
-        prepare_out_dir(out, force=args.force, resume=args.resume)
+        study = trials_lib.options(args, out)
+        prepare_out_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))
+        if args.force and not args.resume:
+            trials_lib.forget(study)
     except CrossbowError as e:
         return cli.fail("compare", e)
     except OSError as e:   # the report directory cannot be made
@@ -115,14 +121,27 @@ def compare(argv=None):
 
     copy_config(args.config, out)
     machine = machine_info()
-    runner = Runner(out, total, resume=args.resume)
+    runner = Runner(out, total, resume=True, trials=study)
     runner.say(f"compare: {len(plan)} methods, {total} runs, report in {out}")
     try:
         outcome = run_compare(spec, plan, runner)
-        sweep_result = run_sweep(sweep_spec, sweep_plan, runner) if sweep_plan else None
+        complete = runner.study.complete()
+        sweep_result = None
+        if sweep_plan:
+            sweep_study = dataclasses.replace(study, name=study.name + ":sweep")
+            sweep_runner = Runner(out, total, resume=True, trials=sweep_study)
+            sweep_runner.done = runner.done
+            sweep_result = run_sweep(sweep_spec, sweep_plan, sweep_runner)
+            complete = complete and sweep_runner.study.complete()
     except KeyboardInterrupt:
         print(f"compare: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
         return 130
+    except CrossbowError as e:   # the storage holds another plan
+        return cli.fail("compare", e)
+    if not complete:
+        print(f"compare: the study is not complete (runs whose workers died too often); rerun with --resume",
+              file=sys.stderr)
+        return 1
 
     rows = compare_rows(spec, outcome)
     curves = {name: load_curves(o["final"]) for name, o in outcome.items()}

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from crossbow_tf.compare import study_report, trials
+from crossbow_tf.compare import study_report
+from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.plan import count_runs, describe, plan_study
 from crossbow_tf.compare.report import command_line, copy_config, relative_path, write_json
 from crossbow_tf.compare.runner import PACKAGE_ROOT, machine_info, prepare_out_dir, run_study, Runner
@@ -49,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--bench-examples", type=int, default=8192, help="images per measured bench epoch")
     p.add_argument("--bn-epochs", type=int, default=8, help="epochs of the BatchNorm run")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
-    trials.add_arguments(p)   # a worker runs the sweep phase's trials only (and the report once they are done)
+    trials_lib.add_arguments(p)   # a worker runs the sweep phase's trials only (and the report once they are done)
     return p.parse_args(argv)
 
 
@@ -196,12 +197,12 @@ def main(argv=None):
                       + (f": done before, --resume reuses {os.path.relpath(base)}.json" if reused else ""))
             print(f"{total} training runs (at most), budget {spec.describe_budget()}")
             return 0
-        study = trials.options(args, args.out)
+        study = trials_lib.options(args, args.out)
         if args.worker:
             args.phases = [p for p in args.phases if p in ("sweep", "report")]
-        prepare_out_dir(args.out, force=args.force, resume=args.resume or trials.joins(args))
+        prepare_out_dir(args.out, force=args.force, resume=args.resume or trials_lib.joins(args))
         if args.force and not args.resume:
-            trials.forget(study)
+            trials_lib.forget(study)
     except CrossbowError as e:
         print(f"reproduce: error: {e}", file=sys.stderr)
         return 2

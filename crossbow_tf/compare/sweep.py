@@ -19,6 +19,7 @@ from crossbow_tf.compare.plan import describe, plan_sweep
 from crossbow_tf.compare.plots import plot_sweep
 from crossbow_tf.compare.report import (command_line, copy_config, header_markdown, markdown_table,
                                         software_line, sweep_markdown, sweep_series, write_json)
+from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.runner import machine_info, prepare_out_dir, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_sweep
 from crossbow_tf.errors import ConfigError, CrossbowError
@@ -37,6 +38,7 @@ def parse_args(argv):
     p.add_argument("--epochs", type=int, help="override sweep.epochs (the cap per run)")
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
+    trials_lib.add_arguments(p)
     cli.add_verbose_flag(p)
     return p.parse_args(argv)
 
@@ -48,8 +50,12 @@ def study_argv(args):
                           "one-grid sweep form; this sweep: section has series: (edit it instead)")
     return (["--config", args.config, "--out", args.out or os.path.join("reports", "study-sweep"),
              "--phases", "sweep", "report"] + (["--data-dir", args.data_dir] if args.data_dir else [])
-            + [flag for flag, on in (("--force", args.force), ("--resume", args.resume), ("--dry-run", args.dry_run))
-               if on])
+            + [flag for flag, on in (("--force", args.force), ("--resume", args.resume), ("--dry-run", args.dry_run),
+                                     ("--worker", args.worker)) if on]
+            + (["--parallel", str(args.parallel)] if args.parallel != 1 else [])
+            + [a for flag, v in (("--storage", args.storage), ("--study-name", args.study_name),
+                                 ("--gpus-per-trial", args.gpus_per_trial)) if v is not None for a in (flag, str(v))]
+            + (["--heartbeat", str(args.heartbeat)] if args.heartbeat != trials_lib.DEFAULT_HEARTBEAT else []))
 
 
 def build(args):
@@ -98,7 +104,10 @@ def sweep(argv=None):
                 print(f"{series} global batch {g} {label}: {describe(point)}")
             print(f"{total} runs")
             return 0
-        prepare_out_dir(out, force=args.force, resume=args.resume)
+        study = trials_lib.options(args, out)
+        prepare_out_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))
+        if args.force and not args.resume:
+            trials_lib.forget(study)
     except CrossbowError as e:
         return cli.fail("sweep", e)
     except OSError as e:   # the report directory cannot be made
@@ -106,13 +115,19 @@ def sweep(argv=None):
 
     copy_config(args.config, out)
     machine = machine_info()
-    runner = Runner(out, total, resume=args.resume)
+    runner = Runner(out, total, resume=True, trials=study)
     runner.say(f"sweep: {total} runs, report in {out}")
     try:
         result = run_sweep(spec, plan, runner)
     except KeyboardInterrupt:
         print(f"sweep: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
         return 130
+    except CrossbowError as e:   # the storage holds another plan
+        return cli.fail("sweep", e)
+    if not runner.study.complete():
+        print("sweep: the study is not complete (runs whose workers died too often); rerun with --resume",
+              file=sys.stderr)
+        return 1
     plot_sweep(sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
     records = [r for points in result.values() for *_, recs in points for r in recs]
     text = sweep_markdown(spec, result)

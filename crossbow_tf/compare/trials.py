@@ -1,0 +1,402 @@
+"""A study's runs as the trials of one Optuna study: the storage is the single source of truth of
+what is planned, claimed, running and finished, so that any number of processes on any number of
+machines can work through one study (docs/distributed_studies.md).
+
+The plan is enumerated explicitly: every run of the study is enqueued as one trial (user attribute
+``run``: its key, ``<subdir>/<name>`` of its files under runs/), in the order one process runs them,
+so the budgets are exactly the config's. A replication of a group's best trial (the best is known
+only once the group's search has finished) is enqueued as ``<group>/best_s<seed>`` and is claimed
+only when every search run of its group has a complete trial, by whichever worker comes next.
+
+A worker claims the first waiting trial it may run the way ``optuna.Study.ask`` pops one (the
+storage's WAITING -> RUNNING transition, which fails for every process but one), keeps it alive
+with the storage's heartbeat while its training process runs, and tells its value (the run's best
+accuracy) with the run's outcome in user attributes. A worker that dies leaves a RUNNING trial
+whose heartbeat stops: the next worker's ``fail_stale_trials`` marks it failed and Optuna's
+``RetryFailedTrialCallback`` enqueues it again (same run key), so it runs again and, being one key,
+is counted once. Nothing here imports TensorFlow.
+"""
+import dataclasses
+import hashlib
+import os
+import random
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import warnings
+
+import optuna
+from optuna.storages import RetryFailedTrialCallback, fail_stale_trials
+from optuna.trial import TrialState
+
+from crossbow_tf.errors import ConfigError
+
+PLAN_ATTR = "crossbow_plan"    # the study's user attribute: the fingerprint of the plan it holds
+STORAGE_FILE = "study.db"      # the default storage: an SQLite file inside the report directory
+DEFAULT_HEARTBEAT = 30         # seconds; a trial is stale (its worker dead) after 3 heartbeats missed
+MAX_RETRY = 3                  # a run whose worker died is taken again at most this many times
+POLL = 2.0                     # seconds between looks at the storage while waiting for a claimable trial
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+@dataclasses.dataclass
+class Item:
+    """One run of the plan: a search run (its config known now) or a replication of its group's best."""
+    key: str                  # search: "<subdir>/<name>"; replication: "<group>/best_s<seed>"
+    group: str                # the runs whose search decides a replication (an entry, a cell)
+    seed: int
+    replicate: bool = False
+    config_hash: str = None   # search runs: the hash of the run's config (part of the plan's fingerprint)
+
+
+def default_storage(out_dir):
+    return f"sqlite:///{os.path.abspath(os.path.join(out_dir, STORAGE_FILE))}"
+
+
+def open_storage(url, heartbeat=DEFAULT_HEARTBEAT):
+    """An Optuna storage for URL: a database URL (sqlite:///file, mysql://, postgresql://) with the
+    heartbeat and the retry of dead workers' trials, or ``journal:PATH`` (Optuna's journal file on a
+    shared filesystem; Optuna gives it no heartbeat, so a dead worker's trial is not retried)."""
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        path = url[len("journal:"):]
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return JournalStorage(JournalFileBackend(path))
+    sqlite = url.startswith("sqlite:")
+    for attempt in range(5):   # processes starting together may race to create the schema
+        try:
+            storage = optuna.storages.RDBStorage(
+                url, engine_kwargs={"connect_args": {"timeout": 120}} if sqlite else None,
+                heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
+                failed_trial_callback=RetryFailedTrialCallback(max_retry=MAX_RETRY))
+            break
+        except Exception:   # noqa: BLE001 - sqlalchemy's OperationalError and its kin
+            if attempt == 4:
+                raise
+            time.sleep(0.5 + random.random())
+    if sqlite:
+        _serialize_sqlite(storage.engine)
+    return storage
+
+
+def _serialize_sqlite(engine):
+    """Every transaction on the SQLite file takes its write lock first (BEGIN IMMEDIATE): Python's
+    sqlite3 otherwise reads outside any transaction, so two processes could both read a trial as
+    WAITING and both claim it. The servers Optuna supports lock the row (SELECT ... FOR UPDATE)."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None   # the driver's own BEGIN off; ours below
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    engine.dispose()   # connections made before the listeners are dropped
+
+
+def fingerprint(items):
+    text = "\n".join(f"{i.key} {i.group} {i.seed} {i.replicate} {i.config_hash}" for i in items)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_hash(text):
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Study:
+    """The plan's trials in one Optuna study of STORAGE, and the worker loop that runs them."""
+
+    def __init__(self, storage, name, items, replan=False, worker=False, say=print, heartbeat=DEFAULT_HEARTBEAT):
+        self.storage, self.name, self.items, self.say = storage, name, list(items), say
+        self.by_key = {i.key: i for i in self.items}
+        keys = [i.key for i in self.items]
+        if len(set(keys)) != len(keys):
+            raise ConfigError("the plan names one run twice")   # a bug in a planner, not a config error
+        self.search = {}
+        for i in self.items:
+            if not i.replicate:
+                self.search.setdefault(i.group, []).append(i.key)
+        self.poll = min(POLL, max(0.2, heartbeat / 3))
+        self._lock = threading.Lock()
+        mark = fingerprint(self.items)
+        try:
+            self.study = optuna.create_study(storage=storage, study_name=name, direction="maximize")
+            created = True
+        except optuna.exceptions.DuplicatedStudyError:
+            self.study = optuna.load_study(study_name=name, storage=storage)
+            created = False
+        held = self.study.user_attrs.get(PLAN_ATTR)
+        deadline = time.time() + 60
+        while not created and not replan and held is None and time.time() < deadline:
+            time.sleep(0.5)   # another process created the study and is enqueueing its plan
+            held = self.study.user_attrs.get(PLAN_ATTR)
+        if replan:
+            self.give_back_dead_local()
+        if created or replan or (held is None and not worker):
+            self.enqueue_missing()
+            self.study.set_user_attr(PLAN_ATTR, mark)
+        elif held != mark:
+            raise ConfigError(f"the study {name!r} in this storage holds another plan (another config or other "
+                              "overrides); start every worker with the same command, or rerun the command "
+                              "without --worker with --resume to plan it anew")
+
+    # -- the storage's view ---------------------------------------------------------------------
+
+    def trials(self):
+        return self.study.get_trials(deepcopy=False)
+
+    def current(self, trials=None):
+        """{key: the COMPLETE trial that counts for it} (the last one, should a key finish twice)."""
+        done = {}
+        for t in trials if trials is not None else self.trials():
+            if t.state == TrialState.COMPLETE and t.user_attrs.get("run") in self.by_key:
+                done[t.user_attrs["run"]] = t
+        return done
+
+    def enqueue_missing(self):
+        """Enqueues every run of the plan that has no trial waiting or running. A run finished before
+        is taken again and reused from its files by the runner when its settings are unchanged (a
+        failed run or a changed config runs again), exactly as --resume always did."""
+        trials = self.trials()
+        pending = {t.user_attrs.get("run") for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)}
+        for item in self.items:
+            if item.key not in pending:
+                self.study.enqueue_trial({}, user_attrs={"run": item.key})
+
+    def give_back_dead_local(self):
+        """Fails (and enqueues again) the running trials of this machine whose worker process is gone:
+        a study killed here is resumed at once instead of after the heartbeat's grace period."""
+        host = socket.gethostname()
+        for t in self.trials():
+            where = str(t.user_attrs.get("worker", "")).split(":")
+            if t.state != TrialState.RUNNING or len(where) != 3 or where[0] != host:
+                continue
+            try:
+                os.kill(int(where[1]), 0)
+                continue   # alive
+            except ProcessLookupError:
+                pass
+            except (PermissionError, ValueError):
+                continue
+            if self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                RetryFailedTrialCallback(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(t._trial_id))
+
+    def complete(self):
+        return set(self.current()) >= set(self.by_key)
+
+    def counts(self):
+        """{state name: trials} of this study, for the report and the tests."""
+        out = {}
+        for t in self.trials():
+            out[t.state.name] = out.get(t.state.name, 0) + 1
+        return out
+
+    # -- working ----------------------------------------------------------------------------------
+
+    def _claim(self):
+        """(trial, item) of the first waiting trial this worker may run, claimed; (None, None) when
+        none may run now; raises StopIteration when nothing is waiting or running."""
+        fail_stale_trials(self.study)   # a dead worker's trial: failed, and enqueued again by the callback
+        trials = self.trials()
+        done = self.current(trials)
+        waiting = sorted((t for t in trials if t.state == TrialState.WAITING), key=lambda t: t.number)
+        if not waiting and not any(t.state == TrialState.RUNNING for t in trials):
+            raise StopIteration
+        for t in waiting:
+            item = self.by_key.get(t.user_attrs.get("run"))
+            if item is None:
+                continue   # another plan's run: left to the process that planned it
+            if item.replicate and not all(k in done for k in self.search[item.group]):
+                continue   # its group's search is not finished
+            # The claim of Study.ask: WAITING -> RUNNING succeeds for one process only.
+            if self.storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                return t, item
+        return None, None
+
+    def work(self, run_item, slots):
+        """Runs trials until the study has nothing left, in len(SLOTS) threads side by side;
+        RUN_ITEM(item, slot) runs one and returns (value, {user attrs})."""
+        errors = []
+
+        def loop(slot):
+            try:
+                while True:
+                    try:
+                        trial, item = self._claim()
+                    except StopIteration:
+                        return
+                    if trial is None:
+                        time.sleep(self.poll * (0.5 + random.random()))
+                        continue
+                    self._run(trial, item, run_item, slot)
+            except BaseException as e:   # noqa: B036 - handed to the main thread
+                errors.append(e)
+        if len(slots) == 1:
+            loop(slots[0])
+        else:
+            threads = [threading.Thread(target=loop, args=(s,), daemon=True) for s in slots]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)
+        if errors:
+            raise errors[0]
+
+    def _run(self, trial, item, run_item, slot):
+        tid = trial._trial_id
+        stop = threading.Event()
+        beat = getattr(self.storage, "get_heartbeat_interval", lambda: None)()
+        if beat:
+            self.storage.record_heartbeat(tid)
+
+            def pulse():
+                while not stop.wait(beat):
+                    try:
+                        self.storage.record_heartbeat(tid)
+                    except Exception:   # noqa: BLE001 - a missed beat; the next one tries again
+                        pass
+            threading.Thread(target=pulse, daemon=True).start()
+        try:
+            self.storage.set_trial_user_attr(tid, "worker", f"{socket.gethostname()}:{os.getpid()}:{slot.index}")
+            value, attrs = run_item(item, slot)
+        except BaseException:
+            stop.set()
+            # Interrupted (Ctrl-C) or broken: the trial is given back at once, not after the heartbeat.
+            try:
+                self.storage.set_trial_state_values(tid, state=TrialState.FAIL)
+                RetryFailedTrialCallback(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(tid))
+            except Exception:   # noqa: BLE001 - the heartbeat still gives it back
+                pass
+            raise
+        stop.set()
+        try:
+            for key, v in attrs.items():
+                self.storage.set_trial_user_attr(tid, key, v)
+            self.study.tell(trial.number, value)
+        except (RuntimeError, ValueError):   # optuna's UpdateFinishedTrialError is a RuntimeError
+            # Its heartbeat was missed for so long that another worker took it as dead and runs it
+            # again: that one counts (the files are the same run's).
+            self.say(f"note: {item.key} was taken over by another worker after missed heartbeats")
+
+
+# ---------------------------------------------------------------------------------------------
+# Slots: what one trial running beside others gets of this machine.
+
+
+@dataclasses.dataclass
+class Slot:
+    index: int
+    env: dict                 # added to the training process's environment
+    cpus: tuple = None        # CPU affinity of the training process (None: the whole machine)
+
+
+def visible_gpus():
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+            return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+        except (OSError, subprocess.SubprocessError):
+            return []
+    return []
+
+
+def make_slots(parallel, gpus_per_trial=None):
+    """PARALLEL slots. With GPUs, slot i gets its own GPUS_PER_TRIAL of them (default: an equal
+    share) through CUDA_VISIBLE_DEVICES; on CPUs, its share of the cores (CPU affinity and
+    TensorFlow's intra- and inter-op thread counts), the config's logical devices made inside it.
+    One slot (the default) changes nothing: the run gets the machine, as before."""
+    if parallel < 1:
+        raise ConfigError(f"--parallel: expected at least 1, got {parallel}")
+    gpus = visible_gpus()
+    if gpus:
+        per = gpus_per_trial or max(1, len(gpus) // parallel)
+        if per * parallel > len(gpus):
+            raise ConfigError(f"--parallel {parallel} with {per} GPU(s) per trial needs {per * parallel} GPUs; "
+                              f"{len(gpus)} visible")
+        if parallel == 1 and not gpus_per_trial:
+            return [Slot(0, {})]
+        return [Slot(i, {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])}) for i in range(parallel)]
+    if parallel == 1:
+        return [Slot(0, {})]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per = max(1, len(cores) // parallel)
+    slots = []
+    for i in range(parallel):
+        mine = tuple(cores[(i * per + j) % len(cores)] for j in range(per))
+        n = str(len(mine))
+        slots.append(Slot(i, {"TF_NUM_INTRAOP_THREADS": n, "TF_NUM_INTEROP_THREADS": n, "OMP_NUM_THREADS": n,
+                              "CUDA_VISIBLE_DEVICES": ""}, mine))
+    return slots
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands' flags.
+
+
+@dataclasses.dataclass
+class Options:
+    storage: str = None       # None: the default SQLite file in the report directory
+    name: str = None          # the Optuna study's name (default: crossbow:<report folder's name>)
+    worker: bool = False
+    parallel: int = 1
+    heartbeat: int = DEFAULT_HEARTBEAT
+    gpus_per_trial: int = None
+    replan: bool = False      # --resume without --worker: plan anew, rerun what failed
+
+
+def add_arguments(parser):
+    """--parallel, --storage, --worker, --study-name, --heartbeat, --gpus-per-trial."""
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="run N trials side by side on this machine, each in its own process with its share "
+                             "of the cores or its own GPUs")
+    parser.add_argument("--storage", metavar="URL",
+                        help="the study's Optuna storage: sqlite:///FILE, a database URL, or journal:FILE "
+                             "(default: sqlite in the report directory)")
+    parser.add_argument("--worker", action="store_true",
+                        help="join the study in --storage: run its next unclaimed trials until none is left")
+    parser.add_argument("--study-name", help="the Optuna study's name (default: crossbow:<report folder's name>)")
+    parser.add_argument("--heartbeat", type=int, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
+                        help="a running trial's heartbeat; after 3 missed, its worker is taken as dead and the "
+                             "trial runs again")
+    parser.add_argument("--gpus-per-trial", type=int, metavar="D",
+                        help="GPUs each trial is pinned to with --parallel (default: an equal share)")
+
+
+def options(args, out):
+    """Options of ARGS for the study in OUT; a bad combination is a ConfigError (exit 2)."""
+    if args.worker and not args.storage:
+        raise ConfigError("--worker joins the study of a shared --storage URL; pass --storage")
+    if args.worker and getattr(args, "force", False):
+        raise ConfigError("--worker cannot be combined with --force (a worker never empties the report directory)")
+    if args.parallel < 1 or args.heartbeat < 1 or (args.gpus_per_trial is not None and args.gpus_per_trial < 1):
+        raise ConfigError("--parallel, --heartbeat and --gpus-per-trial must be at least 1")
+    return Options(storage=args.storage, name=args.study_name or f"crossbow:{os.path.basename(os.path.abspath(out))}",
+                   worker=args.worker, parallel=args.parallel, heartbeat=args.heartbeat,
+                   gpus_per_trial=args.gpus_per_trial, replan=bool(getattr(args, "resume", False)) and not args.worker)
+
+
+def joins(args):
+    """True when the report directory may exist already without --resume: a worker, or a command
+    given the study's shared storage (it runs what is left and writes the report)."""
+    return bool(args.worker or args.storage)
+
+
+def forget(opts):
+    """--force with a storage of its own: the old study goes too (its runs' files have gone)."""
+    if opts.storage:
+        storage = open_storage(opts.storage, opts.heartbeat)
+        for name in (opts.name, opts.name + ":sweep"):
+            try:
+                optuna.delete_study(study_name=name, storage=storage)
+            except KeyError:
+                pass
