@@ -58,7 +58,9 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
           progress=None, on_divergence="stop", max_rollbacks=3, stop_signals=None, on_evaluation=None):
     """Trains ENGINE on DATA (a DataSource) and evaluates z after every epoch.
 
-    Returns RESULTS with one evaluation per epoch; wall time counts training only.
+    Returns RESULTS with one evaluation per epoch; wall time counts training only: evaluation is
+    excluded, tracing included once (a resumed run's tracing again is excluded and recorded as
+    ``retrace_times``, so its time to target is that of the run had it not stopped).
     LEARNER_DIAGNOSTICS: also record learner 0's test accuracy and the learners' mean distance to z.
     COLLAPSE_EPOCHS: stop, recorded as collapsed, when z sits at chance accuracy for this many
     epochs after the first (0: never). BATCHNORM_EVAL: evaluate z with the learners' averaged
@@ -82,6 +84,9 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
                batchnorm_eval=batchnorm_eval, batchnorm_batches_count=batchnorm_batches_count,
                checkpoints=checkpoints, stop_signals=stop_signals)
     run.on_evaluation = on_evaluation
+    # A run resumed after training began traced its step in the process that trained first, and that
+    # time is in its training time: this process's tracing again is restart cost, not training.
+    run.retrace_pending = progress is not None and progress.iteration > 0
     if stop_signals is not None:
         stop_signals.deferred = True
     try:
@@ -171,6 +176,27 @@ class _Run:
         self.cluster = engine.strategy.cluster
         self.step_times = []
 
+    retrace_pending = False   # set by ``train`` for a resumed run (see _exclude_retrace)
+
+    def _exclude_retrace(self, p):
+        """Takes this process's tracing of the step out of P's training time, once, in a resumed run:
+        the first step's time beyond a typical step's (the median of this process's later steps, or
+        with none yet the last recorded epoch's time per iteration). Recorded in
+        results.extra["retrace_times"], one entry per resumption. Called whenever timed spans are
+        added to P, before anything (a checkpoint, an evaluation) reads them."""
+        if not self.retrace_pending or not self.step_times:
+            return
+        later = self.step_times[1:]
+        if later:
+            typical = float(np.median(later))
+        else:
+            last = self.results.evaluations[-1] if self.results.evaluations else None
+            typical = last["epoch_time"] / self.per_epoch if last and last.get("epoch_time") else 0.0
+        retrace = min(max(self.step_times[0] - typical, 0.0), p.epoch_time)
+        p.epoch_time -= retrace
+        self.results.extra.setdefault("retrace_times", []).append(retrace)
+        self.retrace_pending = False
+
     def _signalled(self):
         return self.stop_signals is not None and self.stop_signals.received is not None
 
@@ -187,6 +213,7 @@ class _Run:
         if asked:
             if segment_start is not None:
                 p.epoch_time += time.perf_counter() - segment_start
+                self._exclude_retrace(p)
             path = self._save(p) if self.checkpoints is not None else None
             received = self.stop_signals.received if self.stop_signals is not None else None
             raise TrainingInterrupted(received or signal.SIGTERM, path, p.iteration, p.epoch + 1,
@@ -237,11 +264,13 @@ class _Run:
                         and not (last_of_epoch and self.checkpoints.at_epoch_end)):
                     # Checkpoint writing is not training time.
                     p.epoch_time += time.perf_counter() - segment_start
+                    self._exclude_retrace(p)
                     self._save(p)
                     segment_start = time.perf_counter()
                 if self.cluster is not None and not last_of_epoch:
                     self._stop_if_asked(p, segment_start, asked=engine.stop_voted())
             p.epoch_time += time.perf_counter() - segment_start
+            self._exclude_retrace(p)
             self._end_epoch(p, epoch)
             if self.checkpoints is not None and (self.checkpoints.at_epoch_end or p.finished):
                 self._save(p)
