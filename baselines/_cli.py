@@ -12,7 +12,8 @@ from baselines import TOOL_SECTIONS
 from crossbow_tf import cli
 from crossbow_tf import config as config_lib
 from crossbow_tf.config import read_yaml  # noqa: F401  (tools import it from here too)
-from crossbow_tf.errors import ConfigError, CrossbowError
+from crossbow_tf.errors import ConfigError, CrossbowError, TrainingDiverged
+from crossbow_tf.results import collapse_stop
 
 
 def split_sections(mapping):
@@ -65,17 +66,17 @@ def parse_tf_ssgd_options(section):
 
 def parse_args(prog, description, argv):
     p = cli.OneLineParser(prog=prog, description=description)
-    p.add_argument("--config", required=True, help="YAML experiment (the same files crossbow_tf.run reads)")
-    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir)")
+    p.add_argument("--config", required=True, type=cli.path_argument, help="YAML experiment (the same files crossbow_tf.run reads)")
+    p.add_argument("--data-dir", type=cli.path_argument, help="directory of the data set's files (overrides data.data_dir)")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--batch-size", type=int, help="override the batch size (per device / per learner)")
     p.add_argument("--learning-rate", type=float, help="override learning_rate.base")
     p.add_argument("--learners-per-device", type=int, help="override learners per device (engine baselines)")
     p.add_argument("--logical-cpu-devices", type=int, help="override the number of logical CPU devices")
     p.add_argument("--seed", type=int, help="override the seed")
-    p.add_argument("--results", help="write the run's results (JSON) to this new file")
+    p.add_argument("--results", type=cli.path_argument, help="write the run's results (JSON) to this new file")
     p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
-    p.add_argument("--tensorboard", metavar="DIR",
+    p.add_argument("--tensorboard", metavar="DIR", type=cli.path_argument,
                    help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
     p.add_argument("--precision", choices=config_lib.PRECISIONS,
                    help="Keras's global dtype policy for the run (overrides precision; mixed_float16 with dynamic "
@@ -131,14 +132,28 @@ def check_results_path(args):
 
 
 def main(prog, description, run, argv=None):
-    """Runs RUN(args) and turns user errors into one line and exit code 2."""
+    """Runs RUN(args) and turns user errors into one line and exit code 2; a run that diverged
+    (exit code 3) or collapsed (exit code 5) is one line too, with its results written."""
     args = parse_args(prog, description, sys.argv[1:] if argv is None else argv)
     cli.quiet_tensorflow(args.verbose)
-    try:
-        check_results_path(args)
-        results = run(args)
+
+    def save(results):
         if args.results:
             cli.save_results(results, args.results, lambda line: print(line, flush=True))
+    try:
+        check_results_path(args)
+        try:
+            results = run(args)
+        except TrainingDiverged as e:   # the epochs so far, and where and what diverged
+            if getattr(e, "results", None) is not None:
+                save(e.results)
+            print(f"{prog}: {e}", file=sys.stderr, flush=True)
+            return e.exit_code
+        save(results)
+        collapsed = collapse_stop(results)
+        if collapsed is not None:
+            print(f"{prog}: {collapsed}", file=sys.stderr, flush=True)
+            return collapsed.exit_code
     except CrossbowError as e:
         return cli.fail(prog, e)
     except KeyboardInterrupt:

@@ -39,7 +39,7 @@ import time
 
 from baselines import _cli
 from baselines._cli import parse_tf_ssgd_options
-from crossbow_tf.errors import ConfigError
+from crossbow_tf.errors import ConfigError, TrainingDiverged
 
 PROG = "python -m baselines.tf_ssgd"
 
@@ -80,6 +80,11 @@ def make_strategy(devices, reduction):
 
 
 def _keras_schedule_base():
+    # Keras (and TensorFlow under it) load when this module does: quietly, as the commands start
+    # TensorFlow, so that a bad argument is still one line.
+    from crossbow_tf import cli
+    cli.quiet_tensorflow("--verbose" in sys.argv[1:])
+    cli.import_tensorflow("--verbose" in sys.argv[1:])
     import keras
     return keras.optimizers.schedules.LearningRateSchedule
 
@@ -212,9 +217,9 @@ def _callbacks():
         without us.
         """
 
-        def __init__(self, evaluate, record):
+        def __init__(self, evaluate, record, diverged=lambda: False):
             super().__init__()
-            self.evaluate, self.record = evaluate, record
+            self.evaluate, self.record, self.diverged = evaluate, record, diverged
             self.train_time, self.step_times, self.stalls = 0.0, [], []
             self.fit_called = self.train_begin = None
 
@@ -230,6 +235,8 @@ def _callbacks():
 
         def on_epoch_end(self, epoch, logs=None):
             end = time.perf_counter()
+            if self.diverged():   # the epoch did not finish: nothing to record (as the engine's stop)
+                return
             epoch_time = end - self.begin
             self.train_time += epoch_time
             if self.starts:
@@ -240,7 +247,34 @@ def _callbacks():
             if self.record(epoch + 1, epoch_time, self.train_time, accuracy, loss, dict(logs or {})):
                 self.model.stop_training = True
 
-    return EpochOrder, EpochClock
+    class DivergenceStop(keras.callbacks.Callback):
+        """keras.callbacks.TerminateOnNaN, recording where: the first batch whose loss (Keras's running
+        mean over the epoch, so it stays non-finite) is NaN or infinite stops fit. Safe for Keras's
+        asynchronous dispatch (it only reads the logs Keras already hands to a worker thread), so
+        the measured fit keeps running as it would without it."""
+        async_safe = True
+
+        def __init__(self, per_epoch):
+            super().__init__()
+            self.per_epoch, self.epoch, self.found = per_epoch, 0, None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            loss = (logs or {}).get("loss")
+            if self.found is None and loss is not None and not math.isfinite(float(loss)):
+                self.found = dict(iteration=self.epoch * self.per_epoch + batch + 1, epoch=self.epoch + 1,
+                                  position=batch + 1, non_finite=["the loss"])
+                self.model.stop_training = True
+
+        def on_epoch_end(self, epoch, logs=None):   # also a mean loss that overflowed only at the end
+            loss = (logs or {}).get("loss")
+            if self.found is None and loss is not None and not math.isfinite(float(loss)):
+                self.found = dict(iteration=None, epoch=epoch + 1, position=None, non_finite=["the loss"])
+                self.model.stop_training = True
+
+    return EpochOrder, EpochClock, DivergenceStop
 
 
 def crossbow_modules():
@@ -333,14 +367,19 @@ def train(cfg, opts, log=print):
         return (cfg.target_accuracy is not None and cfg.stop_at_target
                 and reaches(accuracy, cfg.target_accuracy, data.test.size))
 
-    EpochOrder, EpochClock = _callbacks()
-    clock = EpochClock(evaluate, record)
-    callbacks = ([EpochOrder(epoch_variable)] if epoch_variable is not None else []) + [clock]
+    EpochOrder, EpochClock, DivergenceStop = _callbacks()
+    divergence = DivergenceStop(per_epoch)
+    # The divergence check runs before the clock at each epoch's end, so that a diverged epoch is
+    # neither evaluated nor recorded.
+    clock = EpochClock(evaluate, record, diverged=lambda: divergence.found is not None)
+    callbacks = ([EpochOrder(epoch_variable)] if epoch_variable is not None else []) + [divergence, clock]
     start = time.perf_counter()
     model.fit(train_ds, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
     results.extra["total_time"] = time.perf_counter() - start
     if tensorboard is not None:
         tensorboard.close()
+    if divergence.found is not None:
+        raise _diverged(results, divergence.found, per_epoch)
     results.extra["fit_setup_time"] = clock.train_begin - start if clock.train_begin else None
     steps = clock.step_times
     if len(steps) > 1:
@@ -355,6 +394,18 @@ def train(cfg, opts, log=print):
     if cfg.target_accuracy is not None:
         log(results.target_summary(cfg.target_accuracy))
     return results
+
+
+def _diverged(results, found, per_epoch):
+    """TrainingDiverged (exit code 3) for a stock run whose loss went non-finite where FOUND says;
+    RESULTS, with the epochs before and ``diverged``, go with it to be written."""
+    results.extra["diverged"] = dict(iteration=found["iteration"], epoch=found["epoch"],
+                                     non_finite=found["non_finite"])
+    where = (f"at iteration {found['iteration']} (epoch {found['epoch']}, iteration {found['position']} of "
+             f"{per_epoch})" if found["iteration"] is not None else f"in epoch {found['epoch']}")
+    error = TrainingDiverged(f"diverged: not finite {where}: {', '.join(found['non_finite'])}")
+    error.results = results
+    return error
 
 
 def _print(line):

@@ -21,6 +21,14 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def path_argument(text):
+    """argparse type of a file or folder argument: an empty one (``--results ''``) is refused in
+    one line rather than taken as "not given"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
+
+
 def add_verbose_flag(parser):
     parser.add_argument("--verbose", action="store_true",
                         help=f"show TensorFlow's start-up and XLA compile lines (also {VERBOSE_VARIABLE}=1)")

@@ -24,6 +24,7 @@ KNOWN_TRAIN_SIZES = {"mnist_embedded": 4000, "mnist": 60000, "fashion_mnist": 60
 MODEL_NAMES = ("lenet", "lenet_bn", "resnet32", "vgg16", "resnet50")
 DATA_SET_NAMES = ("mnist_embedded", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagenet", "npz")
 FILE_DATA_SETS = ("npz",)   # read from data.path, one file, rather than from data.data_dir
+EMBEDDED_DATA_SETS = ("mnist_embedded",)   # shipped inside the package: read no file at all
 
 @dataclasses.dataclass
 class DataConfig:
@@ -368,6 +369,9 @@ def _validate_model_and_data(c, need):
     else:
         need(d.path is None, f"data.path: applies to the {' and '.join(FILE_DATA_SETS)} data set only; "
                              f"{d.name} reads data.data_dir")
+        need(d.name not in EMBEDDED_DATA_SETS or d.data_dir is None,
+             f"data.data_dir: the {d.name} data set ships inside the package and reads no directory; remove "
+             "data_dir (or --data-dir), or choose a data set that reads one")
     need(c.tensorboard is None or c.tensorboard != "", "tensorboard: expected a folder, got ''")
 
 

@@ -46,6 +46,16 @@ class TrainingDiverged(TrainingStopped):
     exit_code = 3
 
 
+class TrainingCollapsed(TrainingStopped):
+    """The collapse rule stopped the run: z's test accuracy sat at chance for collapse_epochs epochs
+    after the first. RESULTS: the run's results (written, like a finished run's)."""
+    exit_code = 5
+
+    def __init__(self, message, results=None):
+        super().__init__(message)
+        self.results = results
+
+
 class DamagedFile(CheckpointError, OSError):
     """A checkpoint, backup or state file cannot be read (an OSError, as Keras's BackupAndRestore
     expects of a damaged backup before it falls back to the previous one)."""

@@ -1,8 +1,10 @@
 """One results format for every run (SMA or baseline): what the tools read.
 
 A run is a JSON file: method, configuration, environment, and per evaluation the training wall time
-(evaluation excluded, tracing included), epoch, iteration, examples seen, test accuracy and loss of
-the evaluated model (z for SMA).
+(evaluation excluded, tracing included once: a resumed run leaves out its step's tracing again and
+records it as ``retrace_times``), epoch, iteration, examples seen, test accuracy and loss of the
+evaluated model (z for SMA). A run stopped by a NaN holds ``diverged`` (exit code 3), one stopped at
+chance accuracy ``collapsed`` (exit code 5).
 """
 import json
 import math
@@ -106,6 +108,19 @@ def time_to_target(evaluations, target):
     """(wall_time, epoch) of the first evaluation reaching TARGET, or None."""
     hit = first_reaching(evaluations, target)
     return None if hit is None else (hit["wall_time"], hit["epoch"])
+
+
+def collapse_stop(results):
+    """The TrainingCollapsed a command exits with (exit code 5) when the collapse rule stopped
+    RESULTS (a RunResults: extra["collapsed"]), else None. Its results are written as any run's."""
+    if not results.extra.get("collapsed"):
+        return None
+    from crossbow_tf.errors import TrainingCollapsed
+    last = results.evaluations[-1] if results.evaluations else {}
+    epochs = results.config.get("collapse_epochs")
+    return TrainingCollapsed(f"collapsed: test accuracy at chance for {epochs if epochs else 'several'} epochs after "
+                             f"the first ({last.get('accuracy', float('nan')):.4f} at epoch {last.get('epoch')}); "
+                             "stopped without reaching the target", results)
 
 
 class RunResults:

@@ -12,7 +12,7 @@ import sys
 
 from crossbow_tf import cli
 from crossbow_tf.config import PRECISIONS
-from crossbow_tf.errors import CrossbowError, TrainingDiverged, TrainingInterrupted
+from crossbow_tf.errors import ConfigError, CrossbowError, TrainingCollapsed, TrainingDiverged, TrainingInterrupted
 
 DEFAULT_CONFIG_NAME = "lenet_mnist_embedded.yaml"
 
@@ -36,15 +36,15 @@ def _int_or_word(text):
 
 def parse_args(argv):
     p = cli.OneLineParser(prog="python -m crossbow_tf.run", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG,
+    p.add_argument("--config", default=DEFAULT_CONFIG, type=cli.path_argument,
                    help="YAML experiment (default: the packaged configs/lenet_mnist_embedded.yaml)")
-    p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir)")
+    p.add_argument("--data-dir", type=cli.path_argument, help="directory of the data set's files (overrides data.data_dir)")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--learners-per-device", type=_int_or_word, metavar="M|auto",
                    help="override learners per device (m), or auto: measure and choose before training")
     p.add_argument("--logical-cpu-devices", type=int, help="override the number of logical CPU devices")
     p.add_argument("--seed", type=int, help="override the seed")
-    p.add_argument("--results", help="write the run's results (JSON) to this new file")
+    p.add_argument("--results", type=cli.path_argument, help="write the run's results (JSON) to this new file")
     p.add_argument("--force", action="store_true", help="allow --results to replace an existing file")
     p.add_argument("--worker-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="with TF_CONFIG: how long any wait for another worker may take before every "
@@ -52,11 +52,11 @@ def parse_args(argv):
     p.add_argument("--check", action="store_true",
                    help="validate the config, the output paths and the data set's files, then exit 0 without training")
     cli.add_verbose_flag(p)
-    p.add_argument("--checkpoint-dir", metavar="DIR",
+    p.add_argument("--checkpoint-dir", metavar="DIR", type=cli.path_argument,
                    help="checkpoint the run in DIR (overrides checkpoint.dir; see checkpoint.every_iterations)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run checkpointed in the checkpoint directory (from the beginning if none)")
-    p.add_argument("--tensorboard", metavar="DIR",
+    p.add_argument("--tensorboard", metavar="DIR", type=cli.path_argument,
                    help="write TensorBoard event files of every epoch in DIR (overrides tensorboard)")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="Keras's global dtype policy for the run (overrides precision; mixed_float16 with dynamic "
@@ -91,6 +91,9 @@ def build_config(args):
         built = config_lib.from_dict(cfg)
         config_lib.check_fits_data(built)
         config_lib.check_engine_precision(built)
+        if built.on_divergence == "rollback" and not built.checkpoint.dir:   # before TensorFlow, --check too
+            raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: give --checkpoint-dir "
+                              "(or checkpoint.dir)")
         return built
     except CrossbowError as e:
         raise type(e)(f"{args.config if _from_file_only(args) else 'command line'}: {e}") from None
@@ -98,7 +101,8 @@ def build_config(args):
 
 def _from_file_only(args):
     return all(v is None for v in (args.data_dir, args.epochs, args.learners_per_device, args.seed,
-                                   args.logical_cpu_devices, args.tensorboard, args.precision))
+                                   args.logical_cpu_devices, args.tensorboard, args.precision,
+                                   args.checkpoint_dir, args.on_divergence))
 
 
 def check_outputs(args, cfg):
@@ -152,6 +156,10 @@ def run(args, log=print, stop_signals=None):
         raise
     if writes and args.results:
         cli.save_results(results, args.results, log)
+    from crossbow_tf.results import collapse_stop
+    collapsed = collapse_stop(results)
+    if collapsed is not None:   # a failed run, with its results written: exit code 5
+        raise collapsed
     return results
 
 
@@ -176,7 +184,7 @@ def main(argv=None):
         advice = f"; to continue: {resume_command(argv)}" if e.checkpoint else ""
         print(f"crossbow_tf: {e}{advice}", file=sys.stderr)
         return e.exit_code
-    except TrainingDiverged as e:
+    except (TrainingDiverged, TrainingCollapsed) as e:
         print(f"crossbow_tf: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
