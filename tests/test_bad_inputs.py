@@ -332,12 +332,26 @@ def test_write_the_table():
 
 # ------------------------------------------------------------------------------------ end to end
 
-def _command(*args, env=None, cwd=None, timeout=300):
+def _start(*args, env=None, cwd=None):
     full_env = dict(os.environ, **(env or {}))
     full_env.pop("TF_CPP_MIN_LOG_LEVEL", None)   # what a user's shell has: nothing
     full_env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=cwd)
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=cwd)
+
+
+def _finish(proc, timeout=300):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _command(*args, env=None, cwd=None, timeout=300):
+    return _finish(_start(*args, env=env, cwd=cwd), timeout)
 
 
 def test_end_to_end_bad_config_is_one_line_and_exit_2(tmp_path):
@@ -353,11 +367,11 @@ def test_end_to_end_bad_config_is_one_line_and_exit_2(tmp_path):
 def test_end_to_end_check_is_quiet_and_verbose_shows_tensorflow(tmp_path):
     """--check validates the default experiment and its data from outside the checkout; TensorFlow's
     start-up lines appear only with --verbose."""
-    quiet = _command("-m", "crossbow_tf.run", "--check", cwd=str(tmp_path))
+    started = [_start("-m", "crossbow_tf.run", "--check", *verbose, cwd=str(tmp_path)) for verbose in ([], ["--verbose"])]
+    quiet, loud = [_finish(p) for p in started]   # the two processes side by side
     assert quiet.returncode == 0, quiet.stderr[-2000:]
     assert "lenet_mnist_embedded.yaml: valid; lenet on mnist_embedded (4000 train / 1000 test)" in quiet.stdout
     assert "cpu_feature_guard" not in quiet.stderr and "I0000" not in quiet.stderr, quiet.stderr
-    loud = _command("-m", "crossbow_tf.run", "--check", "--verbose", cwd=str(tmp_path))
     assert loud.returncode == 0
     assert "cpu_feature_guard" in loud.stderr
     assert os.listdir(tmp_path) == []
