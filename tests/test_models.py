@@ -1,5 +1,7 @@
 """The paper's models: architecture, parameter counts against the published figures, and one
 forward and backward pass each."""
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -18,6 +20,12 @@ SHAPES = {"lenet": ((28, 28, 1), 10), "resnet32": ((32, 32, 3), 10), "vgg16": ((
           "resnet50": ((224, 224, 3), 1000)}
 
 
+@functools.lru_cache(maxsize=None)
+def architecture(name):
+    """The model NAME at its SHAPES, built once for the tests that only read its layers and counts."""
+    return build_model(name, *SHAPES[name])
+
+
 def trainable_count(model):
     return sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 
@@ -34,13 +42,13 @@ def test_registry_and_unknown_name():
 
 
 def test_lenet_parameter_count():
-    model = build_model("lenet", (28, 28, 1), 10)
+    model = architecture("lenet")
     expected = (5 * 5 * 32 + 32) + (5 * 5 * 32 * 64 + 64) + (4 * 4 * 64 * 1024 + 1024) + (1024 * 10 + 10)
     assert trainable_count(model) == expected == 1_111_946
 
 
 def test_resnet32_architecture_and_parameter_count():
-    model = build_model("resnet32", (32, 32, 3), 10)
+    model = architecture("resnet32")
     expected = conv_bn(3, 16, 3)
     for cin, cout in ((16, 16), (16, 32), (32, 64)):
         expected += conv_bn(cin, cout, 3) + conv_bn(cout, cout, 3)     # first block of the stage
@@ -62,7 +70,7 @@ def test_resnet32_architecture_and_parameter_count():
 
 
 def test_vgg16_architecture_and_parameter_count():
-    model = build_model("vgg16", (32, 32, 3), 100)
+    model = architecture("vgg16")
     widths = [64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512]
     expected, cin = 0, 3
     for w in widths:
@@ -83,7 +91,7 @@ def test_vgg16_architecture_and_parameter_count():
 
 
 def test_resnet50_parameter_count_matches_reference():
-    model = build_model("resnet50", (224, 224, 3), 1000)
+    model = architecture("resnet50")
     # The published ResNet-50 figure (25.6M; torchvision's bias-free model: 25,557,032).
     assert trainable_count(model) == 25_557_032
     # Keras's own ResNet50 differs only by its convolution biases (from the Caffe model).
@@ -109,8 +117,8 @@ def test_resnets_use_he_normal(name):
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_models_use_only_standard_layers_and_return_logits(name):
-    shape, classes = SHAPES[name]
-    model = build_model(name, shape, classes)
+    classes = SHAPES[name][1]
+    model = architecture(name)
     odd = [type(l).__name__ for l in model.layers if not isinstance(l, STANDARD_LAYERS)]
     assert not odd
     last = model.layers[-1]
