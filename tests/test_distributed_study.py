@@ -29,9 +29,10 @@ args = sys.argv[1:]
 config, results = args[args.index("--config") + 1], args[args.index("--results") + 1]
 with open(config) as f:
     c = yaml.safe_load(f)
+first = not os.path.exists(os.environ["STAND_IN_CALLS"])
 with open(os.environ["STAND_IN_CALLS"], "a") as f:
     f.write(f"{{os.path.relpath(results, os.environ['STAND_IN_ROOT'])}} {{os.getpid()}}\\n")
-time.sleep(float(os.environ.get("STAND_IN_SLEEP", "0.3")))
+time.sleep(float(os.environ.get("STAND_IN_FIRST" if first else "STAND_IN_SLEEP", "0.1")))
 lr, seed = c["learning_rate"]["base"], c["seed"]
 g = c["batch_size"] * (c.get("learners_per_device") or 1) * (c["devices"]["logical_cpu"] or 1)
 evals, wall = [], 0.0
@@ -84,6 +85,14 @@ def started(calls, out):
     return [line.split()[0] for line in calls.read_text().splitlines() if line.startswith(f"{out.name}/")]
 
 
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def storage_trials(url, name):
     return optuna.load_study(study_name=name, storage=url).get_trials()
 
@@ -101,7 +110,7 @@ def plan_lines(report):
 def test_sequential_parallel_and_two_workers_run_every_trial_once_and_agree(setup):
     tmp, config, calls, env = setup
     reports, results = {}, {}
-    ways = {"sequential": [], "parallel": ["--parallel", "2"]}
+    ways = {"sequential": [], "parallel": ["--parallel", "2", "--heartbeat", "2"]}
     for way, extra in ways.items():
         out = tmp / way
         proc = subprocess.run(command(config, out, *extra), capture_output=True, text=True, env=env, timeout=120)
@@ -111,8 +120,9 @@ def test_sequential_parallel_and_two_workers_run_every_trial_once_and_agree(setu
     # without --worker on the same storage: nothing left to run, it writes the report.
     out = tmp / "workers"
     url = f"sqlite:///{tmp / 'shared.db'}"
-    workers = [subprocess.Popen(command(config, out, "--storage", url, "--worker"), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)]
+    joining = command(config, out, "--storage", url, "--worker", "--heartbeat", "2")
+    workers = [subprocess.Popen(joining, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+               for _ in range(2)]
     logs = [w.communicate(timeout=120)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], "\n".join(logs)[-3000:]
     assert all("[" in log for log in logs), "both workers ran trials"
@@ -144,7 +154,7 @@ def test_a_worker_killed_mid_trial_leaves_it_to_the_other(setup):
     tmp, config, calls, env = setup
     out = tmp / "killed"
     url = f"sqlite:///{tmp / 'shared.db'}"
-    env = dict(env, STAND_IN_SLEEP="1.5")
+    env = dict(env, STAND_IN_FIRST="30")   # the first trial runs until its worker is killed
     cmd = command(config, out, "--storage", url, "--worker", "--heartbeat", "1")
     victim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.time() + 60
@@ -156,6 +166,11 @@ def test_a_worker_killed_mid_trial_leaves_it_to_the_other(setup):
     time.sleep(0.3)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
+    child = int(calls.read_text().split()[1])   # the killed worker's training process dies with it
+    deadline = time.time() + 10
+    while alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
     log = survivor.communicate(timeout=180)[0]
     assert survivor.returncode == 0, log[-3000:]
     runs = started(calls, out)

@@ -13,7 +13,7 @@ storage's WAITING -> RUNNING transition, which fails for every process but one),
 with the storage's heartbeat while its training process runs, and tells its value (the run's best
 accuracy) with the run's outcome in user attributes. A worker that dies leaves a RUNNING trial
 whose heartbeat stops: the next worker's ``fail_stale_trials`` marks it failed and Optuna's
-``RetryFailedTrialCallback`` enqueues it again (same run key), so it runs again and, being one key,
+retry callback (``RetryHeartbeatStaleTrialCallback``) enqueues it again (same run key), so it runs again and, being one key,
 is counted once. Nothing here imports TensorFlow.
 """
 import dataclasses
@@ -28,7 +28,7 @@ import time
 import warnings
 
 import optuna
-from optuna.storages import RetryFailedTrialCallback, fail_stale_trials
+from optuna.storages import fail_stale_trials
 from optuna.trial import TrialState
 
 from crossbow_tf.errors import ConfigError
@@ -38,6 +38,13 @@ STORAGE_FILE = "study.db"      # the default storage: an SQLite file inside the 
 DEFAULT_HEARTBEAT = 30         # seconds; a trial is stale (its worker dead) after 3 heartbeats missed
 MAX_RETRY = 3                  # a run whose worker died is taken again at most this many times
 POLL = 2.0                     # seconds between looks at the storage while waiting for a claimable trial
+
+try:   # Optuna 4.9 renamed the retry of a heartbeat-stale trial
+    from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
+    RETRY_ARGUMENT = "heartbeat_stale_trial_callback"
+except ImportError:
+    from optuna.storages import RetryFailedTrialCallback as Retry
+    RETRY_ARGUMENT = "failed_trial_callback"
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -71,8 +78,7 @@ def open_storage(url, heartbeat=DEFAULT_HEARTBEAT):
         try:
             storage = optuna.storages.RDBStorage(
                 url, engine_kwargs={"connect_args": {"timeout": 120}} if sqlite else None,
-                heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
-                failed_trial_callback=RetryFailedTrialCallback(max_retry=MAX_RETRY))
+                heartbeat_interval=heartbeat, grace_period=3 * heartbeat, **{RETRY_ARGUMENT: Retry(max_retry=MAX_RETRY)})
             break
         except Exception:   # noqa: BLE001 - sqlalchemy's OperationalError and its kin
             if attempt == 4:
@@ -114,6 +120,7 @@ class Study:
     def __init__(self, storage, name, items, replan=False, worker=False, say=print, heartbeat=DEFAULT_HEARTBEAT):
         self.storage, self.name, self.items, self.say = storage, name, list(items), say
         self.by_key = {i.key: i for i in self.items}
+        self.order = {i.key: n for n, i in enumerate(self.items)}
         keys = [i.key for i in self.items]
         if len(set(keys)) != len(keys):
             raise ConfigError("the plan names one run twice")   # a bug in a planner, not a config error
@@ -184,7 +191,7 @@ class Study:
             except (PermissionError, ValueError):
                 continue
             if self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
-                RetryFailedTrialCallback(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(t._trial_id))
+                Retry(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(t._trial_id))
 
     def complete(self):
         return set(self.current()) >= set(self.by_key)
@@ -204,7 +211,9 @@ class Study:
         fail_stale_trials(self.study)   # a dead worker's trial: failed, and enqueued again by the callback
         trials = self.trials()
         done = self.current(trials)
-        waiting = sorted((t for t in trials if t.state == TrialState.WAITING), key=lambda t: t.number)
+        # In the plan's order (a retried trial keeps its place), then oldest first.
+        waiting = sorted((t for t in trials if t.state == TrialState.WAITING),
+                         key=lambda t: (self.order.get(t.user_attrs.get("run"), len(self.order)), t.number))
         if not waiting and not any(t.state == TrialState.RUNNING for t in trials):
             raise StopIteration
         for t in waiting:
@@ -270,7 +279,7 @@ class Study:
             # Interrupted (Ctrl-C) or broken: the trial is given back at once, not after the heartbeat.
             try:
                 self.storage.set_trial_state_values(tid, state=TrialState.FAIL)
-                RetryFailedTrialCallback(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(tid))
+                Retry(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(tid))
             except Exception:   # noqa: BLE001 - the heartbeat still gives it back
                 pass
             raise
