@@ -5,9 +5,10 @@ one), ``model.compile``/``model.fit`` with the stock ``keras.optimizers.SGD(mome
 ``optimizer:``, the Keras optimizer the engine's learners take too); the global
 batch is ``batch_size`` per device times the devices. Nothing of crossbow's engine, strategy or
 algorithms takes part: this module imports only crossbow_tf.config, .data, .models, .results,
-.tensorboard (and .errors, which config raises). It reads the same experiment YAML as ``python -m crossbow_tf.run``;
-learners_per_device and algorithm.name do not apply (S-SGD has one replica per device) and
-algorithm.momentum and .weight_decay go to the stock optimizer.
+.tensorboard, .cli (quiet TensorFlow start-up) and .errors (config raises it; a NaN loss stops the
+run with its TrainingDiverged, exit code 3, as the engine's runs). It reads the same experiment YAML
+as ``python -m crossbow_tf.run``; learners_per_device and algorithm.name do not apply (S-SGD has one
+replica per device) and algorithm.momentum and .weight_decay go to the stock optimizer.
 
 Options in the YAML's ``tf_ssgd:`` section (all optional):
 
