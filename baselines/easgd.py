@@ -13,7 +13,12 @@ PROG = "python -m baselines.easgd"
 def run(args, log=print):
     cfg, _ = _cli.build(args, algorithm="easgd")
     from crossbow_tf.experiment import run_experiment
-    results = run_experiment(cfg, log=log)
+    from crossbow_tf.errors import TrainingDiverged
+    try:
+        results = run_experiment(cfg, log=log)
+    except TrainingDiverged as e:   # its results are written too: under this method's name
+        e.results.method = "easgd"
+        raise
     results.method = "easgd"
     return results
 
