@@ -79,7 +79,6 @@ def test_the_committed_bench_is_reused_from_another_checkout_and_another_out(tmp
     # the folder, under another name, is reused by --resume without running anything.
     copy = tmp_path / "elsewhere"
     shutil.copytree(os.path.join(STUDY, "bench"), copy / "bench")
-    assert "/work/" in (copy / "bench" / "b16.cmd").read_text()   # an absolute path of the machine that ran it
     calls = []
     monkeypatch.setattr(reproduce.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 1)
     experiment, jobs = _study_jobs(str(copy))
