@@ -1,27 +1,28 @@
 """keras-io's scripts run in plain Keras and with use_sma's two lines, step by step, side by side.
 
-    python tools/keras_io_examples.py                 # all four scripts, every step
+    python tools/keras_io_examples.py                 # all four scripts, every step, their own optimizers
     python tools/keras_io_examples.py --short         # CI's form (tests/test_keras_io_examples.py)
-    python tools/keras_io_examples.py --scripts mnist_convnet antirectifier
+    python tools/keras_io_examples.py --scripts mnist_convnet antirectifier --seed 1
+    python tools/keras_io_examples.py --learning-rate-scale 2   # use_sma(..., learning_rate_scale=2)
+    python tools/keras_io_examples.py --sgd           # every optimizer line swapped for momentum SGD
 
 The scripts are keras-team/keras-io's examples/vision/mnist_convnet.py,
 examples/keras_recipes/antirectifier.py, guides/writing_your_own_callbacks.py and
-guides/training_with_built_in_methods.py, transcribed step by step. What differs from them:
+guides/training_with_built_in_methods.py, transcribed step by step with their own optimizers
+(Adam, RMSprop), learning rates and batch sizes. What differs from them:
 - the data: the embedded digits (crossbow_tf.data.load_embedded_mnist, 4,000 / 1,000 real MNIST
   digits) instead of keras.datasets.mnist, shaped as each script shapes its data;
 - fewer epochs (and steps_per_epoch=10 where the guide runs 100 steps of 64 examples, more than the
   embedded digits hold);
-- the optimizer line: the scripts compile with Adam or RMSprop, which use_sma does not accept yet,
-  so both the plain Keras and the SMA runs use keras.optimizers.SGD at a rate that trains both
-  (OPTIMIZERS below: momentum 0.9, none for the callbacks guide's linear regression). The callbacks
-  guide's own schedule raises the rate to 0.05 at epoch 3, where SGD on that regression diverges
-  in both runs: the comparison there is of the hooks and their logs, not of the losses;
 - the two lines: the strategy right after the imports (2 logical CPU devices x 2 learners, so
   k = 4 and the scripts' batches of 64 and 128 give learners 16 and 32 examples), and
   `model = sma(model)` after every compile, which is use_sma in the SMA run and nothing in the
   plain Keras run. Both runs share the process (and so its 2 logical devices).
-A step that fails in plain Keras 3 (the guide's add_metric, removed in Keras 3; ModelCheckpoint
-paths without the .keras suffix that Keras 3 requires) fails with SMA too and is not counted.
+The callbacks guide's RMSprop(0.1) on its linear regression (and, with --sgd, its schedule's 0.05)
+may not converge in either run: the comparison there is of the hooks and their logs, not of the
+losses. A step that fails in plain Keras 3 (the guide's add_metric, removed in Keras 3;
+ModelCheckpoint paths without the .keras suffix that Keras 3 requires) fails with SMA too and is
+not counted. docs/keras.md has the accuracies and why SMA with Adam/RMSprop trails plain Keras.
 
 Prints a table of every step's outcome and time in both runs and the test accuracies, then one
 JSON line with all of it.
@@ -49,13 +50,25 @@ from keras import layers  # noqa: E402
 
 from crossbow_tf.data import load_embedded_mnist  # noqa: E402
 
-# The rate each script's optimizer line is swapped to (RMSprop / Adam are not accepted by use_sma yet).
-OPTIMIZERS = {
+# Each script's own optimizer line (keras-io's), per script and, in the built-in methods guide, per
+# step where the guide compiles with another one.
+OWN_OPTIMIZERS = {
+    "mnist_convnet": lambda: "adam",
+    "antirectifier": lambda: keras.optimizers.RMSprop(),
+    "callbacks": lambda: keras.optimizers.RMSprop(learning_rate=0.1),
+    "built_in_methods": lambda: keras.optimizers.RMSprop(learning_rate=1e-3),
+    "built_in_methods adam": lambda: keras.optimizers.Adam(),
+}
+# --sgd: the variant this tool ran before use_sma took Keras's other optimizers, every optimizer line
+# swapped for momentum SGD at a rate that trains both runs (kept to compare with the figures of then).
+SGD_OPTIMIZERS = {
     "mnist_convnet": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "antirectifier": lambda: keras.optimizers.SGD(0.02, momentum=0.9),
     "callbacks": lambda: keras.optimizers.SGD(0.01),
     "built_in_methods": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "built_in_methods adam": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
 }
+OPTIMIZERS = dict(OWN_OPTIMIZERS)
 
 
 class Steps:
@@ -70,6 +83,10 @@ class Steps:
     def wanted(self, name):
         return not self.short or name not in LEFT_OUT_OF_SHORT_FORM
 
+    def cut(self, x, y):
+        """The short form's training data: the first SHORT_FORM_EXAMPLES."""
+        return x[:SHORT_FORM_EXAMPLES], y[:SHORT_FORM_EXAMPLES]
+
     @contextlib.contextmanager
     def __call__(self, name):
         start = time.perf_counter()
@@ -81,12 +98,18 @@ class Steps:
         self.seconds[name] = time.perf_counter() - start
 
 
-# Steps of the built-in methods guide that the short form (CI) leaves out, to keep CI short: every new
-# model costs its first step's trace (about 2.5 s here with SMA). Each repeats what another step
-# runs, or is checked against plain Keras in tests/test_keras_conventions.py (the weights).
+# Steps the short form (CI) leaves out, to keep CI short: every new model costs its first step's
+# trace (2.5-4 s here with SMA). Each repeats what another step runs (the callbacks guide's "logs
+# dict" and "early stopping" call the hooks the other two call), or has its own tests against plain
+# Keras: multi-input models (tests/test_keras_models.py), EarlyStopping (test_keras_callbacks.py),
+# custom and add_loss losses and the weights (test_keras_conventions.py), tf.data (test_keras_data.py).
 LEFT_OUT_OF_SHORT_FORM = {"custom Loss class", "custom metric", "tf.data with steps_per_epoch", "validation_steps",
                           "multi-output: loss_weights and a dataset of dicts", "validation dataset", "validation_split",
-                          "class_weight", "sample_weight", "dataset with sample weights"}
+                          "class_weight", "sample_weight", "dataset with sample weights", "custom loss function",
+                          "multi-input, multi-output: lists and dicts", "EarlyStopping", "logs dict",
+                          "early stopping at minimum loss", "add_loss in a layer", "tf.data"}
+# The short form trains mnist_convnet and antirectifier 1 epoch on this many digits (of 4,000).
+SHORT_FORM_EXAMPLES = 2048
 
 
 def mnist_convnet(sma, step):
@@ -109,6 +132,8 @@ def mnist_convnet(sma, step):
         model.summary()
     batch_size = 128
     epochs = 3
+    if step.short:
+        (x_train, y_train), epochs = step.cut(x_train, y_train), 1
     with step("compile and fit"):
         model.compile(loss="categorical_crossentropy", optimizer=OPTIMIZERS["mnist_convnet"](), metrics=["accuracy"])
         model = sma(model)
@@ -148,6 +173,8 @@ def antirectifier(sma, step):
     (x_train, y_train), (x_test, y_test) = load_embedded_mnist()
     x_train = x_train.reshape(-1, 784)
     x_test = x_test.reshape(-1, 784)
+    if step.short:
+        (x_train, y_train), epochs = step.cut(x_train, y_train), 1
     with step("build, compile and fit"):
         model = keras.Sequential([
             keras.Input(shape=(784,)),
@@ -213,11 +240,12 @@ def writing_your_own_callbacks(sma, step):
         def on_epoch_end(self, epoch, logs=None):
             log("epoch", logs["loss"], logs["mean_absolute_error"])
 
-    with step("logs dict"):
-        record["to"] = calls["logs dict"] = []
-        model = get_model()
-        model.fit(x_train, y_train, batch_size=128, epochs=2, verbose=0, callbacks=[LossAndErrorPrintingCallback()])
-        model.evaluate(x_test, y_test, batch_size=128, verbose=0, callbacks=[LossAndErrorPrintingCallback()])
+    if step.wanted("logs dict"):
+        with step("logs dict"):
+            record["to"] = calls["logs dict"] = []
+            model = get_model()
+            model.fit(x_train, y_train, batch_size=128, epochs=2, verbose=0, callbacks=[LossAndErrorPrintingCallback()])
+            model.evaluate(x_test, y_test, batch_size=128, verbose=0, callbacks=[LossAndErrorPrintingCallback()])
 
     class EarlyStoppingAtMinLoss(keras.callbacks.Callback):
         def __init__(self, patience=0):
@@ -246,11 +274,12 @@ def writing_your_own_callbacks(sma, step):
         def on_train_end(self, logs=None):
             log("stopped", self.stopped_epoch)
 
-    with step("early stopping at minimum loss"):
-        record["to"] = []             # when it stops depends on the losses, which differ
-        model = get_model()
-        model.fit(x_train, y_train, batch_size=64, steps_per_epoch=5, epochs=30, verbose=0,
-                  callbacks=[LossAndErrorPrintingCallback(), EarlyStoppingAtMinLoss()])
+    if step.wanted("early stopping at minimum loss"):
+        with step("early stopping at minimum loss"):
+            record["to"] = []             # when it stops depends on the losses, which differ
+            model = get_model()
+            model.fit(x_train, y_train, batch_size=64, steps_per_epoch=5, epochs=30, verbose=0,
+                      callbacks=[LossAndErrorPrintingCallback(), EarlyStoppingAtMinLoss()])
 
     class CustomLearningRateScheduler(keras.callbacks.Callback):
         def __init__(self, schedule):
@@ -370,7 +399,8 @@ def training_with_built_in_methods(sma, step, workdir):
             model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(),
                           metrics=[keras.metrics.SparseCategoricalAccuracy()])
             model = sma(model)
-            history = model.fit(x_train, y_train, batch_size=64, epochs=2, validation_data=(x_val, y_val), verbose=0)
+            history = model.fit(x_train, y_train, batch_size=64, epochs=1 if step.short else 2,
+                                validation_data=(x_val, y_val), verbose=0)
             assert set(history.history) == {"loss", "sparse_categorical_accuracy", "val_loss",
                                             "val_sparse_categorical_accuracy"}
             results = model.evaluate(x_test, y_test, batch_size=128, verbose=0)
@@ -384,13 +414,13 @@ def training_with_built_in_methods(sma, step, workdir):
     if step.wanted("custom loss function"):
         with step("custom loss function"):
             model = get_uncompiled_model()
-            model.compile(optimizer=optimizer(), loss=custom_mean_squared_error)
+            model.compile(optimizer=OPTIMIZERS["built_in_methods adam"](), loss=custom_mean_squared_error)
             model = sma(model)
             model.fit(x_train, y_train_one_hot, batch_size=64, epochs=1, verbose=0)
     if step.wanted("custom Loss class"):
         with step("custom Loss class"):
             model = get_uncompiled_model()
-            model.compile(optimizer=optimizer(), loss=CustomMSE())
+            model.compile(optimizer=OPTIMIZERS["built_in_methods adam"](), loss=CustomMSE())
             model = sma(model)
             model.fit(x_train, y_train_one_hot, batch_size=64, epochs=1, verbose=0)
     if step.wanted("custom metric"):
@@ -436,7 +466,7 @@ def training_with_built_in_methods(sma, step, workdir):
             logits = keras.layers.Dense(10)(inputs)
             predictions = LogisticEndpoint(name="predictions")(logits, targets)
             model = keras.Model(inputs=[inputs, targets], outputs=predictions)
-            model.compile(optimizer=optimizer())
+            model.compile(optimizer=OPTIMIZERS["built_in_methods adam"]())
             model = sma(model)
             data = {"inputs": np.random.random((3, 3)), "targets": np.random.random((3, 10))}
             model.fit(data, verbose=0)
@@ -549,14 +579,20 @@ SCRIPTS = {
 }
 
 
-def run(names, short=False):
-    """{script: {"plain": Steps, "sma": Steps}}: each script once in plain Keras, once with SMA."""
+def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0):
+    """{script: {"plain": Steps, "sma": Steps}}: each script once in plain Keras, once with SMA.
+
+    SGD: every optimizer line swapped for SGD_OPTIMIZERS' (else the scripts' own). LEARNING_RATE_SCALE:
+    use_sma's (1, the default, is the two lines as written)."""
+    OPTIMIZERS.clear()
+    OPTIMIZERS.update(SGD_OPTIMIZERS if sgd else OWN_OPTIMIZERS)
+    options = {} if learning_rate_scale == 1.0 else {"learning_rate_scale": learning_rate_scale}
     results = {}
     for name in names:
         results[name] = {}
         for mode, sma in (("plain", lambda model: model),
-                          ("sma", lambda model: crossbow_tf.use_sma(model, strategy))):   # extra line 2
-            keras.utils.set_random_seed(0)
+                          ("sma", lambda model: crossbow_tf.use_sma(model, strategy, **options))):   # extra line 2
+            keras.utils.set_random_seed(seed)
             steps = Steps(short)
             with tempfile.TemporaryDirectory() as workdir:
                 SCRIPTS[name](sma, steps, workdir)
@@ -567,9 +603,17 @@ def run(names, short=False):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scripts", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
-    p.add_argument("--short", action="store_true", help="leave out steps that repeat others (CI's form)")
+    p.add_argument("--short", action="store_true",
+                   help="CI's form: leave out steps that repeat others, train the two classifiers 1 epoch on 2,048 digits")
+    p.add_argument("--sgd", action="store_true",
+                   help="swap every optimizer line for momentum SGD (this tool's form before use_sma took Adam/RMSprop)")
+    p.add_argument("--learning-rate-scale", type=float, default=1.0,
+                   help="use_sma(..., learning_rate_scale=S) in the SMA run (default 1: the two lines as written)")
+    p.add_argument("--seed", type=int, default=0, help="keras.utils.set_random_seed before each run (default 0)")
     args = p.parse_args(argv)
-    results = run(args.scripts, args.short)
+    results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed)
+    print(f"optimizers: {'momentum SGD (--sgd)' if args.sgd else 'the scripts own'}; "
+          f"use_sma learning_rate_scale {args.learning_rate_scale:g}; seed {args.seed}")
     print("| script | step | plain Keras | SMA | plain s | SMA s |")
     print("|---|---|---|---|---|---|")
     for name, modes in results.items():

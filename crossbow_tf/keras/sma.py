@@ -101,6 +101,20 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
     return ElasticAveragingSGD(alpha=alpha, momentum=momentum, weight_decay=weight_decay)
 
 
+def learner_rate_scale(rule, optimizer, scale=1.0):
+    """use_sma's LEARNING_RATE_SCALE, checked: the factor on the compiled rate that the learners of
+    RULE step at with OPTIMIZER (only an adaptive optimizer's learners, see docs/keras.md)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"learning_rate_scale must be a number > 0, got {scale!r}")
+    scale = float(scale)
+    if scale != 1.0 and (is_momentum_sgd(optimizer) or rule.gradient_at_center):
+        why = ("momentum SGD learners average linearly" if is_momentum_sgd(optimizer)
+               else "synchronous SGD steps z with the mean gradient, as Keras does")
+        raise ValueError(f"learning_rate_scale={scale:g} applies to the learners of an averaging rule with an "
+                         f"adaptive optimizer (Adam, RMSprop, ...); {why}: set the rate in compile instead")
+    return scale
+
+
 # Keras schedules whose rate is constant between boundaries: a fall there is a real step drop.
 def _steps_of(schedule):
     """A description of SCHEDULE's step boundaries when its rate moves in steps, else None."""
@@ -136,7 +150,8 @@ def reset_rule(algorithm, optimizer, setting="auto"):
 
 
 def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
-            reset_on_lr_drop="auto", jit_compile=False, learners=None, per_learner_batch=False):
+            reset_on_lr_drop="auto", jit_compile=False, learners=None, per_learner_batch=False,
+            learning_rate_scale=1.0):
     """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
 
     Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
@@ -166,6 +181,11 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
       learners: the engine's learner computation ("auto", "fused", "replicated"); None: the engine's default.
       per_learner_batch: True gives ``batch_size`` (and a dataset's batch) Crossbow's meaning, the
         batch b of one learner, so that a step takes k*b examples.
+      learning_rate_scale: the learners of an adaptive optimizer (Adam, RMSprop, ...) step at this
+        times the compiled rate (schedules and callbacks still set the compiled rate). An average of k
+        learners that each normalise their own B/k-example gradient moves up to sqrt(k) times less than
+        one model at B where gradient noise dominates; sqrt(k) recovers that where the rate has headroom
+        and destabilises a rate already at its edge, so the default is 1 (docs/keras.md has the figures).
     """
     if strategy is None:
         strategy = CrossbowStrategy()
@@ -199,7 +219,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
               "compiles the engine's own step with XLA (slower on CPU)", flush=True)
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
                                 learners=learners, per_learner_batch=per_learner_batch,
-                                optimizer=learner_optimizer(optimizer), loss_scale=loss_scale)
+                                optimizer=learner_optimizer(optimizer), loss_scale=loss_scale,
+                                learning_rate_scale=learner_rate_scale(rule, optimizer, learning_rate_scale))
     setattr(model, _ATTRIBUTE, training)
     for name in _PATCHED:
         setattr(model, name, getattr(training, name))
@@ -241,8 +262,9 @@ class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
     def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None,
-                 per_learner_batch=False, optimizer=None, loss_scale=None):
+                 per_learner_batch=False, optimizer=None, loss_scale=None, learning_rate_scale=1.0):
         self.model = model
+        self.learning_rate_scale = float(learning_rate_scale)
         self.strategy = strategy
         self.loss = CompiledLoss(model)
         self.per_learner_batch = per_learner_batch
@@ -341,7 +363,8 @@ class CrossbowTraining:
             tf.cond(lr < self.previous_lr, self._reset_learners, lambda: tf.constant(False))
         self.previous_lr.assign(lr)
         # The iteration decides whether this step synchronises (a rule with a period > 1).
-        loss, predictions = self.engine.step_at(model.optimizer.iterations, x_in, y_in, mask, lr)
+        learner_lr = lr if self.learning_rate_scale == 1.0 else lr * self.learning_rate_scale
+        loss, predictions = self.engine.step_at(model.optimizer.iterations, x_in, y_in, mask, learner_lr)
         self.engine.write_center_to_model()
         model.optimizer.iterations.assign_add(1)
 
