@@ -129,7 +129,6 @@ class Study:
             if not i.replicate:
                 self.search.setdefault(i.group, []).append(i.key)
         self.poll = min(POLL, max(0.2, heartbeat / 3))
-        self._lock = threading.Lock()
         mark = fingerprint(self.items)
         try:
             self.study = optuna.create_study(storage=storage, study_name=name, direction="maximize")
