@@ -183,3 +183,19 @@ def test_a_worker_killed_mid_trial_leaves_it_to_the_other(setup):
     assert failed.user_attrs["run"] == first[0][len("killed/runs/"):-len(".json")]
     report = (out / "report.md").read_text()
     assert "12 of 12 training runs finished" in report
+
+
+def test_slots_share_the_gpus_or_the_cores(monkeypatch):
+    from crossbow_tf.compare import trials
+    from crossbow_tf.errors import ConfigError
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in trials.make_slots(4)] == ["0,1", "2,3", "4,5", "6,7"]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in trials.make_slots(8)] == [str(i) for i in range(8)]
+    assert trials.make_slots(1)[0].env == {}   # one trial: every GPU, as before
+    with pytest.raises(ConfigError, match="needs 16 GPUs; 8 visible"):
+        trials.make_slots(8, gpus_per_trial=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(trials.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    slots = trials.make_slots(2)
+    assert [s.cpus for s in slots] == [(0, 1), (2, 3)]
+    assert slots[0].env["TF_NUM_INTRAOP_THREADS"] == slots[0].env["TF_NUM_INTEROP_THREADS"] == "2"
