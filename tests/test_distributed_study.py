@@ -199,3 +199,24 @@ def test_slots_share_the_gpus_or_the_cores(monkeypatch):
     slots = trials.make_slots(2)
     assert [s.cpus for s in slots] == [(0, 1), (2, 3)]
     assert slots[0].env["TF_NUM_INTRAOP_THREADS"] == slots[0].env["TF_NUM_INTEROP_THREADS"] == "2"
+
+
+def test_a_study_killed_on_this_machine_resumes_at_once(setup):
+    """One command, one machine, no server: killed with SIGKILL mid-trial, --resume continues it
+    without waiting for the heartbeat (the trial's worker process is gone) and runs it again."""
+    tmp, config, calls, env = setup
+    out = tmp / "alone"
+    proc = subprocess.Popen(command(config, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(env, STAND_IN_FIRST="30"))
+    deadline = time.time() + 60
+    while not started(calls, out) and time.time() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    start = time.time()
+    again = subprocess.run(command(config, out, "--resume"), capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    runs = started(calls, out)
+    assert len(runs) == RUNS + 1 and runs[0] == runs[1]   # the killed trial first, then the rest once
+    assert time.time() - start < 60   # not the 90 s of three missed default heartbeats
+    assert "12 of 12 training runs finished" in (out / "report.md").read_text()
