@@ -43,7 +43,8 @@ for epoch in range(1, c["epochs"] + 1):
     evals.append(dict(epoch=epoch, iteration=10 * epoch, examples=256 * epoch, wall_time=wall, accuracy=accuracy,
                       loss=1 - accuracy, test_examples=64, images_per_second=512.0, epoch_time=0.5))
 json.dump(dict(method="tf_ssgd" if "tf_ssgd" in c else "sma",
-               config=c, environment={{}}, evaluations=evals, num_learners=1), open(results, "w"))
+               config=c, environment={{}}, evaluations=evals, num_learners=1, total_time=wall + 0.25),
+          open(results, "w"))
 '''
 
 STUDY = dict(
@@ -148,6 +149,14 @@ def test_sequential_parallel_and_two_workers_run_every_trial_once_and_agree(setu
     assert strip["sequential"] == strip["parallel"] == strip["workers"]
     assert plan_lines(reports["sequential"]) == plan_lines(reports["parallel"]) == plan_lines(reports["workers"])
     assert "12 of 12 training runs finished" in reports["workers"]
+    # The study's time on W workers from its measured runs (1.25 s each here): the sum on one, and
+    # on unlimited workers the critical path, a cell's search (side by side) then its replication.
+    tool = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "critical_path.py"), str(tmp / "sequential"),
+                           "--config", config, "--workers", "1", "100"], capture_output=True, text=True, timeout=60)
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    assert "12 of 12 planned runs measured" in tool.stdout
+    assert "1 worker(s), first claimable trial:   0.00 h  = sum / 1.0" in tool.stdout
+    assert "100 worker(s), first claimable trial:   0.00 h  = sum / 6.0" in tool.stdout   # 15 s / 2.5 s
 
 
 def test_a_worker_killed_mid_trial_leaves_it_to_the_other(setup):
