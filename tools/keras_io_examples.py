@@ -41,7 +41,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_tf  # noqa: E402
 
-strategy = crossbow_tf.CrossbowStrategy(learners_per_device=2, logical_cpu_devices=2)   # extra line 1
+
+def _learners_per_device(argv):
+    # Read before the strategy line, which must come right after the imports (main() parses the rest).
+    return int(argv[argv.index("--learners-per-device") + 1]) if "--learners-per-device" in argv else 2
+
+
+strategy = crossbow_tf.CrossbowStrategy(learners_per_device=_learners_per_device(sys.argv),   # extra line 1
+                                        logical_cpu_devices=2)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -76,11 +83,13 @@ class Steps:
 
     ``with step(name): ...`` runs a step; ``step.wanted(name)`` says whether the short form runs it."""
 
-    def __init__(self, short=False):
-        self.short = short
+    def __init__(self, short=False, only=None):
+        self.short, self.only = short, only
         self.outcome, self.accuracy, self.seconds = {}, {}, {}
 
     def wanted(self, name):
+        if self.only is not None:
+            return name in self.only
         return not self.short or name not in LEFT_OUT_OF_SHORT_FORM
 
     def cut(self, x, y):
@@ -579,7 +588,7 @@ SCRIPTS = {
 }
 
 
-def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0):
+def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0, only=None):
     """{script: {"plain": Steps, "sma": Steps}}: each script once in plain Keras, once with SMA.
 
     SGD: every optimizer line swapped for SGD_OPTIMIZERS' (else the scripts' own). LEARNING_RATE_SCALE:
@@ -593,7 +602,7 @@ def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0):
         for mode, sma in (("plain", lambda model: model),
                           ("sma", lambda model: crossbow_tf.use_sma(model, strategy, **options))):   # extra line 2
             keras.utils.set_random_seed(seed)
-            steps = Steps(short)
+            steps = Steps(short, only)
             with tempfile.TemporaryDirectory() as workdir:
                 SCRIPTS[name](sma, steps, workdir)
             results[name][mode] = steps
@@ -610,10 +619,14 @@ def main(argv=None):
     p.add_argument("--learning-rate-scale", type=float, default=1.0,
                    help="use_sma(..., learning_rate_scale=S) in the SMA run (default 1: the two lines as written)")
     p.add_argument("--seed", type=int, default=0, help="keras.utils.set_random_seed before each run (default 0)")
+    p.add_argument("--learners-per-device", type=int, default=2,
+                   help="the strategy's learners per device (of 2 logical devices; default 2, so k = 4)")
+    p.add_argument("--only", nargs="+", metavar="STEP",
+                   help="run only these steps of the guides (e.g. \"end-to-end example\"); the classifiers always run")
     args = p.parse_args(argv)
-    results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed)
+    results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed, args.only)
     print(f"optimizers: {'momentum SGD (--sgd)' if args.sgd else 'the scripts own'}; "
-          f"use_sma learning_rate_scale {args.learning_rate_scale:g}; seed {args.seed}")
+          f"use_sma learning_rate_scale {args.learning_rate_scale:g}; seed {args.seed}; k = {strategy.num_learners}")
     print("| script | step | plain Keras | SMA | plain s | SMA s |")
     print("|---|---|---|---|---|---|")
     for name, modes in results.items():
