@@ -124,27 +124,28 @@ def assert_bit_identical(directory, reference):
 
 
 def newest_checkpoint(directory):
-    """The number of the newest checkpoint in DIRECTORY's index file (0 when there is none yet)."""
-    paths = checkpoint_paths(str(directory)) if os.path.exists(os.path.join(directory, "checkpoint")) else []
-    return int(paths[0].rsplit("-", 1)[1]) if paths else 0
+    """The number of the newest checkpoint whose files are complete in DIRECTORY (0 for none yet).
+    (TensorFlow writes a checkpoint's .index last, then names it in the directory's index file.)"""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return max([int(m.group(1)) for m in map(re.compile(r"ckpt-(\d+)\.index$").match, names) if m], default=0)
 
 
 def kill_and_resume(args, directory, kills, rng, most=4, jitter=0.3, timeout=300):
     """Runs ARGS (which include --resume and --checkpoint-dir DIRECTORY) to the end, SIGKILLing it
-    KILLS times and resuming. Each kill lands at a seeded random point: after the process has
-    recorded 1 to MOST new checkpoints (at least one past the run's first, the one at its start),
-    then a random 0 to JITTER seconds later, so anywhere in an iteration or in writing the next
-    checkpoint, however busy the machine. Returns the processes."""
+    KILLS times and resuming. Each kill lands at a seeded (RNG) random point: once the process has
+    written 1 to MOST new checkpoints (the first kill: past the run's second, so that a resume never
+    starts from the checkpoint at iteration 0), then a random 0 to JITTER seconds later, so anywhere
+    in an iteration or in writing the next checkpoint, however busy the machine. Returns the processes."""
     processes = []
     for attempt in range(kills + 1):
         p = Process(args)
         processes.append(p)
         if attempt < kills:
-            target = max(newest_checkpoint(directory), 1) + rng.randint(1, most)
+            target = max(newest_checkpoint(directory), 2) + rng.randint(1, most)
             deadline = time.time() + timeout
             while newest_checkpoint(directory) < target:
                 assert time.time() < deadline and p.proc.poll() is None, p.output
-                time.sleep(0.01)
+                time.sleep(0.02)
             time.sleep(rng.uniform(0, jitter))
             p.proc.send_signal(signal.SIGKILL)
         p.finish()
@@ -196,7 +197,7 @@ def test_sigkill_then_resume_of_the_auto_tuned_default_is_bit_identical_and_does
     write_config(config, **settings)
     killed = kill_and_resume(["-m", "crossbow_tf.run", "--config", str(config), "--checkpoint-dir",
                               str(tmp_path / "killed"), "--resume", "--results", str(tmp_path / "killed.json"), "--force"],
-                             tmp_path / "killed", kills=2, rng=random.Random(5), most=3)
+                             tmp_path / "killed", kills=2, rng=random.Random(5), most=2)
     assert [p.proc.returncode for p in killed] == [-signal.SIGKILL] * 2 + [0], killed[-1].output
     assert "auto-tuned learners per device" in killed[0].output
     for p in killed[1:]:   # the tuner's choice comes from the checkpoint
