@@ -40,6 +40,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_tf  # noqa: E402
+import crossbow_tf.algorithms  # noqa: E402
 
 
 def _learners_per_device(argv):
@@ -588,7 +589,7 @@ SCRIPTS = {
 }
 
 
-def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0, only=None):
+def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0, only=None, outer_rate=None):
     """{script: {"plain": Steps, "sma": Steps}}: each script once in plain Keras, once with SMA.
 
     SGD: every optimizer line swapped for SGD_OPTIMIZERS' (else the scripts' own). LEARNING_RATE_SCALE:
@@ -596,6 +597,9 @@ def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0, only=Non
     OPTIMIZERS.clear()
     OPTIMIZERS.update(SGD_OPTIMIZERS if sgd else OWN_OPTIMIZERS)
     options = {} if learning_rate_scale == 1.0 else {"learning_rate_scale": learning_rate_scale}
+    if outer_rate is not None:
+        # Local SGD averaging every step, z moving OUTER_RATE times the learners' mean step (docs/keras.md).
+        options["algorithm"] = crossbow_tf.algorithms.LocalSGD(period=1, outer_learning_rate=outer_rate)
     results = {}
     for name in names:
         results[name] = {}
@@ -623,10 +627,15 @@ def main(argv=None):
                    help="the strategy's learners per device (of 2 logical devices; default 2, so k = 4)")
     p.add_argument("--only", nargs="+", metavar="STEP",
                    help="run only these steps of the guides (e.g. \"end-to-end example\"); the classifiers always run")
+    p.add_argument("--local-sgd-outer-rate", type=float, metavar="R",
+                   help="use_sma(..., algorithm=LocalSGD(period=1, outer_learning_rate=R)) instead of SMA")
     args = p.parse_args(argv)
-    results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed, args.only)
+    results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed, args.only,
+                  args.local_sgd_outer_rate)
     print(f"optimizers: {'momentum SGD (--sgd)' if args.sgd else 'the scripts own'}; "
-          f"use_sma learning_rate_scale {args.learning_rate_scale:g}; seed {args.seed}; k = {strategy.num_learners}")
+          f"use_sma learning_rate_scale {args.learning_rate_scale:g}; seed {args.seed}; k = {strategy.num_learners}"
+          + (f"; LocalSGD(period=1, outer_learning_rate={args.local_sgd_outer_rate:g})"
+             if args.local_sgd_outer_rate is not None else ""))
     print("| script | step | plain Keras | SMA | plain s | SMA s |")
     print("|---|---|---|---|---|---|")
     for name, modes in results.items():
