@@ -203,6 +203,16 @@ def test_optimizers_that_are_not_elementwise_are_refused_with_the_reason(optimiz
         crossbow_tf.use_sma(digits_mlp(optimizer()), strategy)
 
 
+@pytest.mark.parametrize("optimizer, says", [
+    (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), r"Engine\(\.\.\., loss_scale=True\)"),
+    (lambda: keras.optimizers.SGD(0.1, loss_scale_factor=128.0), r"loss_scale_factor.*loss_scale=True"),
+])
+def test_the_engine_refuses_a_loss_scaling_optimizer_naming_its_own_loss_scaling(optimizer, says):
+    with pytest.raises(ValueError, match=says):
+        Engine(small_mlp(), LOSS, SMA(), CrossbowStrategy(devices=DEVICES[:1], learners_per_device=2),
+               optimizer=optimizer())
+
+
 def adamw_sparing_biases():
     optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.5)
     optimizer.exclude_from_weight_decay(var_names=["bias"])

@@ -26,14 +26,17 @@ NOT_ELEMENTWISE = {
     "Adafactor": "it factors its second moments over a weight's last two axes and clips by the RMS of a whole "
                  "update, which over the stacked learners would mix them",
     "Muon": "it orthogonalises whole weight matrices, which over the stacked learners would mix them",
-    "LossScaleOptimizer": "it wraps another optimizer for loss scaling, which Crossbow training does not apply",
+    "LossScaleOptimizer": "it wraps another optimizer for loss scaling, which the engine does itself: pass the "
+                          "inner optimizer with Engine(..., loss_scale=True) (use_sma takes a LossScaleOptimizer "
+                          "and does this for you)",
 }
 # Options of a Keras optimizer that change what one step is in ways the learners cannot follow.
 _REFUSED_OPTIONS = {
     "use_ema": "the evaluated model is z, the learners' average, not an average over time of one model",
     "gradient_accumulation_steps": "SMA synchronises the learners every iteration, whether or not the "
                                    "optimizer steps",
-    "loss_scale_factor": "Crossbow training does not scale its losses",
+    "loss_scale_factor": "a fixed loss scale is not applied; dynamic loss scaling is Engine(..., loss_scale=True) "
+                         "(use_sma: a LossScaleOptimizer)",
 }
 _CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 
