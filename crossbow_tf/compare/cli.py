@@ -23,7 +23,7 @@ from crossbow_tf.compare.report import (command_line, compare_markdown, copy_con
                                         load_curves, markdown_table, software_line, sweep_markdown, sweep_series,
                                         write_json)
 from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.runner import machine_info, prepare_out_dir, run_compare, run_sweep, Runner
+from crossbow_tf.compare.runner import machine_info, open_study, run_compare, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_compare, parse_sweep
 from crossbow_tf.compare.stats import compare_rows, tta_ratio
 from crossbow_tf.errors import ConfigError, CrossbowError
@@ -110,10 +110,7 @@ def compare(argv=None):
                 print(f"sweep {series} global batch {g} {label}: {describe(point)}")
             print(f"{total} runs (at most)")
             return 0
-        study = trials_lib.options(args, out)
-        prepare_out_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))
-        if args.force and not args.resume:
-            trials_lib.forget(study)
+        study = open_study(args, out)
     except CrossbowError as e:
         return cli.fail("compare", e)
     except OSError as e:   # the report directory cannot be made

@@ -29,7 +29,7 @@ from crossbow_tf.compare import study_report
 from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.plan import count_runs, describe, plan_study
 from crossbow_tf.compare.report import command_line, copy_config, relative_path, write_json
-from crossbow_tf.compare.runner import PACKAGE_ROOT, machine_info, prepare_out_dir, run_study, Runner
+from crossbow_tf.compare.runner import PACKAGE_ROOT, machine_info, open_study, run_study, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
 from crossbow_tf.errors import ConfigError, CrossbowError
 
@@ -197,12 +197,9 @@ def main(argv=None):
                       + (f": done before, --resume reuses {os.path.relpath(base)}.json" if reused else ""))
             print(f"{total} training runs (at most), budget {spec.describe_budget()}")
             return 0
-        study = trials_lib.options(args, args.out)
         if args.worker:
             args.phases = [p for p in args.phases if p in ("sweep", "report")]
-        prepare_out_dir(args.out, force=args.force, resume=args.resume or trials_lib.joins(args))
-        if args.force and not args.resume:
-            trials_lib.forget(study)
+        study = open_study(args, args.out)
     except CrossbowError as e:
         print(f"reproduce: error: {e}", file=sys.stderr)
         return 2

@@ -315,6 +315,17 @@ def _clock(seconds):
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def open_study(args, out):
+    """The study's storage options (trials.options) for the command's ARGS, with report directory
+    OUT made ready for it (prepare_out_dir); --force without --resume also forgets the storage's
+    old trials."""
+    study = trials_lib.options(args, out)
+    prepare_out_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))
+    if args.force and not args.resume:
+        trials_lib.forget(study)
+    return study
+
+
 def prepare_out_dir(path, force=False, resume=False):
     """Creates report directory PATH; an existing one is refused unless FORCE (emptied) or RESUME (reused)."""
     if os.path.exists(path):

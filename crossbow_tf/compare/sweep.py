@@ -20,7 +20,7 @@ from crossbow_tf.compare.plots import plot_sweep
 from crossbow_tf.compare.report import (command_line, copy_config, header_markdown, markdown_table,
                                         software_line, sweep_markdown, sweep_series, write_json)
 from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.runner import machine_info, prepare_out_dir, run_sweep, Runner
+from crossbow_tf.compare.runner import machine_info, open_study, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_sweep
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.files import atomic_write_text
@@ -104,10 +104,7 @@ def sweep(argv=None):
                 print(f"{series} global batch {g} {label}: {describe(point)}")
             print(f"{total} runs")
             return 0
-        study = trials_lib.options(args, out)
-        prepare_out_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))
-        if args.force and not args.resume:
-            trials_lib.forget(study)
+        study = open_study(args, out)
     except CrossbowError as e:
         return cli.fail("sweep", e)
     except OSError as e:   # the report directory cannot be made
