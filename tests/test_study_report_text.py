@@ -12,3 +12,26 @@ def test_a_zero_distance_of_sma_and_a_nonzero_one_of_local_sgd_are_numbers():
     assert distance_text("localsgd", 1.1349) == "1.135"
     assert distance_text("localsgd", 1.1349, "{:.3g}") == "1.13"
     assert distance_text("sma", None) is None
+
+
+def test_a_resumed_study_keeps_a_copy_of_the_config_its_report_was_built_from(tmp_path):
+    """A study resumed with a config that gained series (or notes) is reported from that config,
+    so the folder's config.yaml must be that one, not the first start's."""
+    import subprocess
+    import sys
+
+    import yaml
+    from test_reproduce import EXPERIMENT
+    doc = dict(EXPERIMENT, sweep=dict(global_batches=[32], budget=1, search_seeds=[0], seeds=[0], target=0.3,
+                                      epochs=1, notes=["first start"],
+                                      series=dict(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.05]}))))
+    out = tmp_path / "report"
+    for notes, resume in ((["first start"], []), (["resumed with a new note"], ["--resume"])):
+        doc["sweep"]["notes"] = notes
+        config = tmp_path / "study.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        proc = subprocess.run([sys.executable, "-m", "crossbow_tf.reproduce", "--config", str(config), "--out",
+                               str(out), "--phases", "report", *resume], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    copied = yaml.safe_load((out / "config.yaml").read_text())
+    assert copied["sweep"]["notes"] == ["resumed with a new note"]

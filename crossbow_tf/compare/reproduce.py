@@ -204,8 +204,9 @@ def main(argv=None):
         print(f"reproduce: error: {e}", file=sys.stderr)
         return 2
     out = args.out
-    if not args.resume or not os.path.exists(os.path.join(out, "config.yaml")):
-        copy_config(args.config, out)
+    # The report is built from this config, however many times the study resumed (a resumed study
+    # may have gained series), so its copy is the one given now.
+    copy_config(args.config, out)
     machine_path = os.path.join(out, "machine.json")
     if not os.path.exists(machine_path):
         write_json(machine_path, dict(machine_info(), command=command_line()))
