@@ -50,6 +50,9 @@ class AlgorithmConfig:
     outer_momentum: typing.Optional[float] = None        # localsgd: mu_o (null: 0)
     nesterov: typing.Optional[bool] = None               # localsgd: Nesterov outer momentum (null: false)
     local_after_epochs: typing.Optional[int] = None      # localsgd: post-local SGD, period 1 for E epochs
+    # An adaptive optimizer's learners (optimizer: adam, ...): z advances as one step at the global
+    # batch (crossbow_tf.algorithms.noise_matching). auto: on where it applies; true | false.
+    noise_matching: typing.Union[bool, str] = "auto"
 
 
 @dataclasses.dataclass
@@ -212,6 +215,8 @@ def _validate_algorithm(a):
          f"algorithm.outer_momentum: must be in [0, 1), got {a.outer_momentum}")
     need(a.local_after_epochs is None or a.local_after_epochs >= 0,
          f"algorithm.local_after_epochs: must not be negative, got {a.local_after_epochs}")
+    need(a.noise_matching in ("auto", True, False) and isinstance(a.noise_matching, (bool, str)),
+         f"algorithm.noise_matching: must be auto, true or false, got {a.noise_matching!r}")
 
 
 # keras.optimizers.get's names of the optimizers the learners (and the baselines) can take, and those
@@ -243,6 +248,25 @@ def _validate_optimizer(c):
     if name.lower() != "sgd" and c.algorithm.weight_decay:
         raise ConfigError(f"algorithm.weight_decay: is the L2 term of the default momentum-SGD learners; "
                           f"{name} takes its own step: give optimizer.weight_decay instead")
+
+
+def noise_matching_excluded(c):
+    """Why noise matching does not apply to C's learners, or None when it does."""
+    a = c.algorithm
+    if c.optimizer is None or str(c.optimizer.get("name", "")).lower() == "sgd":
+        return "it applies to an adaptive optimizer (optimizer: {name: adam, ...}); SGD's step is linear in the " \
+               "gradient, so the learners' mean step is already one step at the global batch"
+    if a.name == "ssgd":
+        return "it applies to averaging rules; synchronous SGD already steps z with the global batch's gradient"
+    if (a.sync_period or 1) != 1 or (a.period or 1) != 1 or a.local_after_epochs is not None:
+        return "it needs the learners' steps of every iteration, and this rule does not synchronise every iteration"
+    return None
+
+
+def noise_matching_on(c):
+    """Whether C's learners run with noise matching (its auto resolved)."""
+    return c.algorithm.noise_matching is True or (c.algorithm.noise_matching == "auto"
+                                                   and noise_matching_excluded(c) is None)
 
 
 def build_keras_optimizer(spec, learning_rate):
@@ -289,6 +313,8 @@ def _validate(c):
          f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose {', '.join(ALGORITHM_NAMES)}")
     _validate_algorithm(c.algorithm)
     _validate_optimizer(c)
+    need(c.algorithm.noise_matching is not True or noise_matching_excluded(c) is None,
+         f"algorithm.noise_matching: {noise_matching_excluded(c)}")
     need(c.learners in ("auto", "fused", "replicated"),
          f"learners: unknown {c.learners!r}; choose auto, fused or replicated")
     need(c.learners_per_device == "auto"

@@ -176,7 +176,7 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None
 def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     import keras
 
-    from crossbow_tf.config import check_central_loop, check_fits_data, to_dict
+    from crossbow_tf.config import check_central_loop, check_fits_data, noise_matching_on, to_dict
     from crossbow_tf.data import load_dataset
     from crossbow_tf.data.pipeline import iterations_per_epoch
     from crossbow_tf.engine.core import Engine
@@ -195,7 +195,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     algorithm = make_algorithm(cfg)
     engine_kwargs = dict(jit_compile=cfg.jit_compile, jit_update=cfg.jit_update, learners=cfg.learners,
                          optimizer=make_optimizer(cfg),   # the tuner measures the Engine that will train
-                         loss_scale=cfg.precision == "mixed_float16")   # as Keras's LossScaleOptimizer
+                         loss_scale=cfg.precision == "mixed_float16",   # as Keras's LossScaleOptimizer
+                         noise_matching=noise_matching_on(cfg))
     tuning, learners_per_device = None, None
     if resume_point is not None:
         learners_per_device = resume_point[1]["learners_per_device"]   # the tuner's choice is kept
@@ -221,7 +222,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
         f"{engine.algorithm.name} with k={strategy.num_learners} learners "
         f"({_placement(strategy)}), batch {cfg.batch_size} per learner, "
         f"{per_epoch} iterations per epoch, cross-device reduction: {strategy.reduction_name}"
-        f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision}'}")
+        f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision}'}"
+        f"{f', noise matching (decay {engine.noise_decay:g})' if engine.noise_decay is not None else ''}")
     results = RunResults(engine.algorithm.name, to_dict(cfg), devices=strategy.devices,
                          num_learners=strategy.num_learners)
     if cluster is not None:

@@ -192,12 +192,25 @@ class NumpyRMSprop:
         return out
 
 
+def noise_stretch(a, c, k):
+    """sqrt(a / c) clipped to [1, sqrt(k)]; 1 where nothing has been seen (a = c = 0)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(c > 0, a / np.where(c > 0, c, 1.0), np.where(a > 0, np.inf, 1.0))
+    return np.sqrt(np.clip(ratio, 1.0, k))
+
+
 def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iterations, base_lr, drops=(), factor=0.1,
-                            mu_z=0.9, alpha=None, period=1, outer_lr=1.0, outer_mu=0.0, nesterov=False):
+                            mu_z=0.9, alpha=None, period=1, outer_lr=1.0, outer_mu=0.0, nesterov=False,
+                            noise_decay=None):
     """As run_reference, with every learner taking OPTIMIZER's step (its own state, kept across
     SMA's resets at a drop) in place of the momentum step. SMA: s = w; w = step(w); w = w - alpha*(s - z);
     u = mu_z*u + sum_j alpha*(s_j - z); z = z + u. EASGD: the same correction, z = z + sum_j alpha*(s_j - z).
-    Local SGD: as run_reference's. Returns (z, learners)."""
+    Local SGD: as run_reference's. Returns (z, learners).
+
+    NOISE_DECAY (noise matching): after the iteration's update, z and every learner move on by
+    (f - 1) * mean_j(step(s_j) - s_j), f = sqrt(clip(a / c, 1, k)) per coordinate, where a and c are
+    running means (decay NOISE_DECAY, from 0, updated after that) of sum_j p_j g_j^2 and of
+    (sum_j p_j g_j)^2, p_j being learner j's share of the iteration's examples."""
     n = len(y)
     per_epoch = -(-n // (k * b))
     z = [p.astype(np.float64).copy() for p in params0]
@@ -206,16 +219,27 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
     states = [optimizer.init(z) for _ in range(k)]
     if alpha is None:
         alpha = 0.9 / k if algorithm == "easgd" else 1.0 / k
+    a = [np.zeros_like(p) for p in z]
+    c = [np.zeros_like(p) for p in z]
     for t in range(iterations):
         lr = lr_at(t, base_lr, drops, factor)
         if algorithm == "sma" and t > 0 and lr < lr_at(t - 1, base_lr, drops, factor):
             w = [[p.copy() for p in z] for _ in range(k)]
         synchronising = (t + 1) % period == 0
         totals = [np.zeros_like(p) for p in z]
-        for j, s in enumerate(learner_slices(n, k, b, t % per_epoch)):
+        slices = learner_slices(n, k, b, t % per_epoch)
+        shares = [len(s) / sum(len(q) for q in slices) for s in slices]
+        mean_g = [np.zeros_like(p) for p in z]
+        mean_square = [np.zeros_like(p) for p in z]
+        mean_step = [np.zeros_like(p) for p in z]
+        for j, s in enumerate(slices):
             _, g = mlp_loss_grads(w[j], x[s], y[s])
             before = w[j]
             w[j] = optimizer.step(before, g, states[j], lr)
+            for i in range(len(z)):
+                mean_g[i] += shares[j] * g[i]
+                mean_square[i] += shares[j] * g[i] ** 2
+                mean_step[i] += (w[j][i] - before[i]) / k
             if algorithm in ("sma", "easgd") and synchronising:
                 for i in range(len(z)):
                     delta = alpha * (before[i] - z[i])
@@ -233,6 +257,14 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
                 g_o = z[i] - sum(w[j][i] for j in range(k)) / k
                 u[i] = outer_mu * u[i] + g_o
                 z[i] = z[i] - outer_lr * ((g_o + outer_mu * u[i]) if nesterov else u[i])
+        if noise_decay is not None:
+            for i in range(len(z)):
+                shift = (noise_stretch(a[i], c[i], k) - 1.0) * mean_step[i]
+                z[i] = z[i] + shift
+                for j in range(k):
+                    w[j][i] = w[j][i] + shift
+            a = [noise_decay * ai + (1 - noise_decay) * q for ai, q in zip(a, mean_square)]
+            c = [noise_decay * ci + (1 - noise_decay) * q ** 2 for ci, q in zip(c, mean_g)]
         if algorithm == "localsgd":
             w = [[p.copy() for p in z] for _ in range(k)]
     return z, w

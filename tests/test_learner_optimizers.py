@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from crossbow_tf.algorithms import SMA, ElasticAveragingSGD, LocalSGD
+from crossbow_tf.algorithms import SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD
 from crossbow_tf.data import from_arrays
 from crossbow_tf.distribute import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
@@ -315,3 +315,136 @@ def test_sigkill_then_resume_with_adam_state_stacked_per_learner_is_bit_identica
     assert sorted(s for s in shapes.values() if s) == sorted(list(weights.values()) * 2)
     steps = [reader.get_tensor(k) for k, s in shapes.items() if not s and reader.get_tensor(k).dtype.kind == "i"]
     assert steps == [40, 40]   # 2 epochs of 20 iterations on each device's clone
+    # Adam's learners run with noise matching (use_sma's and the YAML's auto): its running means are
+    # in the checkpoint too, and the bit-identical resume above restored them.
+    noise = {k: s for k, s in reader.get_variable_to_shape_map().items() if k.startswith("noise_statistics/")}
+    assert sorted(noise.values()) == sorted([s[1:] for s in weights.values()] * 2)
+    assert all(reader.get_tensor(k).max() > 0 for k in noise)
+    assert "noise matching (decay 0.999)" in reference.output
+
+
+# --- noise matching ----------------------------------------------------------------------------------
+
+def run_noise_matched(algorithm, optimizer, devices, m, iterations_wanted, base_lr):
+    x, y = toy_data()
+    model = small_mlp()
+    params0 = [v.numpy() for v in model.trainable_variables]
+    strategy = CrossbowStrategy(devices=devices, learners_per_device=m)
+    engine = Engine(model, LOSS, algorithm, strategy, optimizer=optimizer, noise_matching=True)
+    k = strategy.num_learners
+    per_epoch = math.ceil(N / (k * B))
+    epochs = math.ceil(iterations_wanted / per_epoch)
+    data = from_arrays("toy", (x, y), (x, y), num_classes=CLASSES)
+    train(engine, data, B, epochs, StepSchedule(base_lr, [], 0.1), RunResults("t", env={}),
+          shuffle=False, log=lambda *a: None)
+    return engine, params0, x, y, k, epochs * per_epoch
+
+
+# (Keras optimizer, its NumPy transcription, rule, the reference's rule name, devices, learners per device)
+NOISE_CASES = {
+    "adam_sma_D1xm2": (lambda: keras.optimizers.Adam(), NumpyAdam(), lambda: SMA(momentum=0.0), "sma", 1, 2, {}),
+    "adamw_sma_D2xm2": (lambda: keras.optimizers.AdamW(weight_decay=0.05), NumpyAdam(weight_decay=0.05),
+                        lambda: SMA(momentum=0.0), "sma", 2, 2, {}),
+    "rmsprop_easgd_D2xm1": (lambda: keras.optimizers.RMSprop(), NumpyRMSprop(),
+                            lambda: ElasticAveragingSGD(momentum=0.0), "easgd", 2, 1, {}),
+    "adam_localsgd_D2xm2": (lambda: keras.optimizers.Adam(beta_2=0.9), NumpyAdam(beta_2=0.9),
+                            lambda: LocalSGD(period=1, momentum=0.0), "localsgd", 2, 2, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOISE_CASES))
+def test_noise_matched_learners_match_numpy_reference(case, cpu_devices):
+    make_optimizer, reference, make_rule, name, num_devices, m, options = NOISE_CASES[case]
+    engine, params0, x, y, k, iterations = run_noise_matched(make_rule(), make_optimizer(),
+                                                             cpu_devices[:num_devices], m, 9, 0.05)
+    decay = engine.noise_decay
+    assert decay == getattr(reference, "beta_2", getattr(reference, "rho", None))
+    z_ref, w_ref = run_reference_optimizer(name, reference, params0, x, y, k, B, iterations, 0.05,
+                                           noise_decay=decay, **options)
+    assert_matches(engine, z_ref, w_ref, params0)
+    # Teeth: the factors moved off 1, and the unmatched reference ends measurably elsewhere.
+    factors = np.concatenate([f.numpy().ravel() for f in engine.noise_factors()])
+    assert factors.max() > 1.05 and factors.min() >= 1.0 and factors.max() <= math.sqrt(k) + 1e-6
+    z_plain, _ = run_reference_optimizer(name, reference, params0, x, y, k, B, iterations, 0.05, **options)
+    assert max(np.abs(a - b).max() for a, b in zip(engine.center_weights(), z_plain)) > 1e-3
+    # Every device keeps the same statistics (each updates its copy from the all-reduced sums).
+    for d in range(1, num_devices):
+        for a0, ad in zip(engine.learner_square[0] + engine.global_square[0],
+                          engine.learner_square[d] + engine.global_square[d]):
+            np.testing.assert_array_equal(a0.numpy(), ad.numpy())
+
+
+@pytest.mark.parametrize("optimizer, rule, says", [
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), lambda: SMA(), "linear in the gradient"),
+    (lambda: keras.optimizers.Adam(), lambda: SynchronousSGD(), "synchronous SGD already steps z"),
+    (lambda: keras.optimizers.Adam(), lambda: SMA(sync_period=2), "does not synchronise every iteration"),
+    (lambda: keras.optimizers.Adam(), lambda: LocalSGD(period=1, local_after_epochs=1),
+     "does not synchronise every iteration"),
+])
+def test_noise_matching_is_refused_where_it_does_not_apply(optimizer, rule, says, cpu_devices):
+    with pytest.raises(ValueError, match=says):
+        Engine(small_mlp(), LOSS, rule(), CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2),
+               optimizer=optimizer(), noise_matching=True)
+
+
+def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits):
+    """auto: on for Adam / RMSprop under SMA, EASGD and local SGD averaging every step; off for SGD,
+    for S-SGD and for a rule with a sync period. True where it does not apply, or a bad value, is
+    one clear error; False gives the learners the optimizer's plain steps (another end point)."""
+    import crossbow_tf
+    (x, y), _ = digits
+    x, y = x[:256], y[:256]
+    strategy = CrossbowStrategy(devices=DEVICES[:2], learners_per_device=2)
+
+    def engine_of(optimizer, **options):
+        model = crossbow_tf.use_sma(digits_mlp(optimizer), strategy, **options)
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        return model, crossbow_tf.keras.sma.get_training(model).engine
+
+    matched, engine = engine_of(keras.optimizers.Adam(1e-3))
+    assert engine.noise_decay == 0.999
+    assert engine_of(keras.optimizers.RMSprop(1e-3), algorithm=LocalSGD(period=1))[1].noise_decay == 0.9
+    unmatched, engine = engine_of(keras.optimizers.Adam(1e-3), noise_matching=False)
+    assert engine.noise_decay is None
+    assert max(np.abs(a - b).max() for a, b in zip(matched.get_weights(), unmatched.get_weights())) > 1e-4
+    for optimizer, options in ((keras.optimizers.SGD(0.05, momentum=0.9), {}),
+                               (keras.optimizers.Adam(), {"algorithm": "ssgd"}),
+                               (keras.optimizers.Adam(), {"algorithm": SMA(sync_period=2)})):
+        assert engine_of(optimizer, **options)[1].noise_decay is None
+    for optimizer, options, match in (
+            (keras.optimizers.SGD(0.05, momentum=0.9), {}, "SGD's step is linear"),
+            (keras.optimizers.Adam(), {"algorithm": "ssgd"}, "synchronous SGD already steps z"),
+            (keras.optimizers.Adam(), {"algorithm": SMA(sync_period=4)}, "does not synchronise every iteration")):
+        with pytest.raises(ValueError, match=match):
+            crossbow_tf.use_sma(digits_mlp(optimizer), strategy, noise_matching=True, **options)
+    for bad in ("on", 1, None):
+        with pytest.raises(ValueError, match="noise_matching must be \"auto\", True or False"):
+            crossbow_tf.use_sma(digits_mlp(keras.optimizers.Adam()), strategy, noise_matching=bad)
+
+
+def test_yaml_noise_matching_key(tmp_path, capsys):
+    """algorithm.noise_matching: true where it does not apply, or not auto/true/false, is one line
+    with exit 2; auto (the default) is on for Adam's learners and off for the default SGD."""
+    from crossbow_tf.config import load_config, noise_matching_on
+    from crossbow_tf.run import main
+    from test_checkpoint import write_config
+    for options, message in (({}, "algorithm.noise_matching: it applies to an adaptive optimizer"),
+                             ({"optimizer": {"name": "sgd", "momentum": 0.9}}, "SGD's step is linear"),
+                             ({"optimizer": {"name": "adam"}, "algorithm": {"name": "ssgd"}},
+                              "synchronous SGD already steps z"),
+                             ({"optimizer": {"name": "adam"}, "algorithm": {"name": "sma", "sync_period": 2}},
+                              "does not synchronise every iteration")):
+        algorithm = dict({"name": "sma"}, **options.pop("algorithm", {}), noise_matching=True)
+        config = write_config(tmp_path / "c.yaml", algorithm=algorithm, devices={"logical_cpu": 4},
+                              learners_per_device=1, epochs=1, **options)
+        assert main(["--config", config]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    config = write_config(tmp_path / "c.yaml", algorithm={"name": "sma", "noise_matching": "yes"},
+                          devices={"logical_cpu": 4}, learners_per_device=1, epochs=1)
+    assert main(["--config", config]) == 2
+    assert "algorithm.noise_matching: must be auto, true or false, got 'yes'" in capsys.readouterr().err
+    adam = write_config(tmp_path / "adam.yaml", optimizer={"name": "adam"}, devices={"logical_cpu": 4},
+                        learners_per_device=1, epochs=1)
+    sgd = write_config(tmp_path / "sgd.yaml", devices={"logical_cpu": 4}, learners_per_device=1, epochs=1)
+    assert noise_matching_on(load_config(adam)) and not noise_matching_on(load_config(sgd))

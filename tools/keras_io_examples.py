@@ -5,6 +5,7 @@
     python tools/keras_io_examples.py --scripts mnist_convnet antirectifier --seed 1
     python tools/keras_io_examples.py --learning-rate-scale 2   # use_sma(..., learning_rate_scale=2)
     python tools/keras_io_examples.py --sgd           # every optimizer line swapped for momentum SGD
+    python tools/keras_io_examples.py --noise-matching off   # use_sma(..., noise_matching=False)
 
 The scripts are keras-team/keras-io's examples/vision/mnist_convnet.py,
 examples/keras_recipes/antirectifier.py, guides/writing_your_own_callbacks.py and
@@ -589,14 +590,17 @@ SCRIPTS = {
 }
 
 
-def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0, only=None, outer_rate=None):
+def run(names, short=False, sgd=False, learning_rate_scale=1.0, seed=0, only=None, outer_rate=None,
+        noise_matching="auto"):
     """{script: {"plain": Steps, "sma": Steps}}: each script once in plain Keras, once with SMA.
 
     SGD: every optimizer line swapped for SGD_OPTIMIZERS' (else the scripts' own). LEARNING_RATE_SCALE:
-    use_sma's (1, the default, is the two lines as written)."""
+    use_sma's (1, the default, is the two lines as written); NOISE_MATCHING: use_sma's ("auto", the default)."""
     OPTIMIZERS.clear()
     OPTIMIZERS.update(SGD_OPTIMIZERS if sgd else OWN_OPTIMIZERS)
     options = {} if learning_rate_scale == 1.0 else {"learning_rate_scale": learning_rate_scale}
+    if noise_matching != "auto":
+        options["noise_matching"] = noise_matching
     if outer_rate is not None:
         # Local SGD averaging every step, z moving OUTER_RATE times the learners' mean step (docs/keras.md).
         options["algorithm"] = crossbow_tf.algorithms.LocalSGD(period=1, outer_learning_rate=outer_rate)
@@ -629,11 +633,15 @@ def main(argv=None):
                    help="run only these steps of the guides (e.g. \"end-to-end example\"); the classifiers always run")
     p.add_argument("--local-sgd-outer-rate", type=float, metavar="R",
                    help="use_sma(..., algorithm=LocalSGD(period=1, outer_learning_rate=R)) instead of SMA")
+    p.add_argument("--noise-matching", choices=("auto", "on", "off"), default="auto",
+                   help="use_sma(..., noise_matching=...) in the SMA run (default auto: the two lines as written)")
     args = p.parse_args(argv)
+    noise_matching = {"auto": "auto", "on": True, "off": False}[args.noise_matching]
     results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed, args.only,
-                  args.local_sgd_outer_rate)
+                  args.local_sgd_outer_rate, noise_matching)
     print(f"optimizers: {'momentum SGD (--sgd)' if args.sgd else 'the scripts own'}; "
-          f"use_sma learning_rate_scale {args.learning_rate_scale:g}; seed {args.seed}; k = {strategy.num_learners}"
+          f"use_sma learning_rate_scale {args.learning_rate_scale:g}, noise_matching {args.noise_matching}; "
+          f"seed {args.seed}; k = {strategy.num_learners}"
           + (f"; LocalSGD(period=1, outer_learning_rate={args.local_sgd_outer_rate:g})"
              if args.local_sgd_outer_rate is not None else ""))
     print("| script | step | plain Keras | SMA | plain s | SMA s |")

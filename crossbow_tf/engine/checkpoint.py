@@ -163,6 +163,9 @@ class Checkpoints:
         if e.loss_scale is not None:
             # mixed_float16's dynamic loss scale and its good iterations since it last changed.
             groups["loss_scale"] = [e.loss_scale, e.good_steps]
+        if e.noise_decay is not None:
+            # Noise matching's running means, the same on every device and worker, like z.
+            groups["noise_statistics"] = [e.learner_square, e.global_square]
         self.checkpoint = tf.train.Checkpoint(
             center=e.center, center_velocity=e.center_velocity, center_states=e.center_states,
             record=self._record, **groups)
@@ -249,12 +252,14 @@ class Checkpoints:
     def _receive_from_chief(self):
         """The chief's z, u and every worker's learners as it restored them: each worker keeps its own."""
         e, cluster = self.engine, self.cluster
-        center = e.center[0] + e.center_velocity[0] + e.center_states[0]
+        shared = lambda d: (e.center[d] + e.center_velocity[d] + e.center_states[d]  # noqa: E731
+                            + (e.learner_square[d] + e.global_square[d] if e.noise_decay is not None else []))
+        center = shared(0)
         learners = [self._local] + self._others if self.writes else [self._local] * cluster.num_workers
         arrays = cluster.broadcast_from_chief([v.numpy() for v in center + [v for w in learners for v in w]])
         center_values, arrays = arrays[:len(center)], arrays[len(center):]
         for d in range(e.strategy.num_devices):
-            for variable, values in zip(e.center[d] + e.center_velocity[d] + e.center_states[d], center_values):
+            for variable, values in zip(shared(d), center_values):
                 variable.assign(values)
         own = cluster.worker_index * len(self._local)
         for variable, values in zip(self._local, arrays[own:own + len(self._local)]):

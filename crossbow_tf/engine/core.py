@@ -6,10 +6,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from crossbow_tf.algorithms import noise_matching
 from crossbow_tf.distribute.cross_worker import CrossWorkerReduction
 from crossbow_tf.distribute.reduce import all_reduce_sum
 from crossbow_tf.engine.fused import make_learners
-from crossbow_tf.engine.optimizers import StackedOptimizers, check_learner_optimizer
+from crossbow_tf.engine.optimizers import (StackedOptimizers, check_learner_optimizer, check_noise_matching,
+                                         second_moment_decay)
 
 # Seeds of per-learner random state (Dropout) differ by this odd stride so that no two learners
 # draw the same masks.
@@ -98,7 +100,7 @@ class Engine:
 
     def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True,
                  reset_on_lr_drop=True, optimizer=None, loss_scale=False, initial_scale=2.0 ** 15,
-                 dynamic_growth_steps=2000):
+                 dynamic_growth_steps=2000, noise_matching=False):
         """RESET_ON_LR_DROP: ``train_step`` restarts every learner from z when its learning rate is
         lower than the previous call's (Crossbow's rule for step schedules; SMA only). Pass False
         for a smoothly decaying rate, which falls at every step, and call ``reset_learners()`` at
@@ -113,7 +115,14 @@ class Engine:
         loss is multiplied by one shared scale (INITIAL_SCALE first) and its float32 gradients divided
         by it; an iteration in which any gradient of any learner is not finite is skipped by every
         learner and z alike (nothing changes) and halves the scale, and DYNAMIC_GROWTH_STEPS good
-        iterations in a row double it. Off (default): no scaling op in the step at all."""
+        iterations in a row double it. Off (default): no scaling op in the step at all.
+
+        NOISE_MATCHING (an adaptive OPTIMIZER under an averaging rule that synchronises every
+        iteration): z and every learner move on by (f - 1) times the learners' mean step, f =
+        sqrt(E[g_b^2] / E[g_B^2]) per coordinate estimated from the learners' gradients
+        (crossbow_tf.algorithms.noise_matching), so that z advances one step of the optimizer at the
+        global batch B. The steps and statistics travel in the iteration's one all-reduce (four
+        times the bytes of the corrections alone)."""
         from crossbow_tf.distribute.strategy import CrossbowStrategy
         if not isinstance(model, keras.Model):
             raise TypeError(f"Engine: model must be a keras.Model, got {type(model).__name__}")
@@ -137,6 +146,10 @@ class Engine:
             if not algorithm.gradient_at_center and not hasattr(algorithm, "correct"):
                 raise ValueError(f"Engine: {type(algorithm).__name__} has no correct() to follow a Keras "
                                  "optimizer's step")
+        if not isinstance(noise_matching, bool):
+            raise TypeError(f"Engine: noise_matching must be True or False, got {noise_matching!r}")
+        if noise_matching:
+            check_noise_matching(optimizer, algorithm)
         if not isinstance(loss_scale, bool):
             raise TypeError(f"Engine: loss_scale must be True or False, got {loss_scale!r}")
         if loss_scale:
@@ -189,6 +202,16 @@ class Engine:
         if optimizer is not None:
             self.optimizers = StackedOptimizers(optimizer, self.weights if learner_weights else self.center,
                                                 strategy.devices, model.trainable_variables, stacked=learner_weights)
+        # Noise matching's running means, identical on every device (updated from the all-reduced sums).
+        self.noise_decay = second_moment_decay(optimizer) if noise_matching else None
+        self.learner_square, self.global_square = [], []
+        if noise_matching:
+            for device in strategy.devices:
+                with tf.device(device):
+                    self.learner_square.append([tf.Variable(np.zeros(w.shape, np.float32), trainable=False,
+                                                            name="learner_square") for w in trainable])
+                    self.global_square.append([tf.Variable(np.zeros(w.shape, np.float32), trainable=False,
+                                                           name="global_square") for w in trainable])
         # The learners' update touches every learner's copy of every weight several times and is
         # memory-bound; compiling it with XLA fuses those passes (tools/ab_step.py, LeNet with 8
         # learners: 24.6 instead of 29.3 ms per iteration). The central update touches one copy: compiling
@@ -462,6 +485,11 @@ class Engine:
                             for g, z, s in zip(grads, self.center[d], shares)]
                 else:
                     sums = self.update_learners(d, grads, lr, shares)
+                if self.noise_decay is not None:
+                    # After the learners' steps: the B-example gradient and the learners' mean square
+                    # gradient, each a sum weighted by the learners' shares of the examples.
+                    sums = sums + [tf.reduce_sum(s * tf.cast(g, tf.float32), axis=0) for g, s in zip(grads, shares)] \
+                        + [tf.reduce_sum(s * tf.square(tf.cast(g, tf.float32)), axis=0) for g, s in zip(grads, shares)]
                 # Each learner's state as its difference from z's: state that no learner changes (a
                 # Normalization layer's adapted statistics) stays exactly z's, where a sum of k equal
                 # values divided by k would round.
@@ -485,10 +513,13 @@ class Engine:
             reduced = [totals] * D
         n_weights = len(self.center[0])
         k = float(self.num_learners)
+        noise_sums = 3 * n_weights if self.noise_decay is not None else 0
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
-                totals, state_totals = reduced[d][:n_weights], reduced[d][n_weights:]
+                totals, state_totals = reduced[d][:n_weights], reduced[d][n_weights + noise_sums:]
                 self.update_center(d, totals, lr)
+                if noise_sums:
+                    self._match_noise(d, reduced[d][n_weights:n_weights + noise_sums])
                 float_states = iter(state_totals)
                 for i, s in enumerate(local[d]["states"]):
                     self.states[d][i].assign(s)
@@ -498,6 +529,30 @@ class Engine:
         if alg.restarts_learners:
             self._reset_fn()
         return loss_sum
+
+    def _match_noise(self, d, sums):
+        """Noise matching on device D from the iteration's reduced SUMS (the learners' steps, weighted
+        gradients, weighted square gradients): z and every learner move on by the part of the global
+        batch's step that the learners' mean step lacks, then the statistics take this iteration in."""
+        n = len(sums) // 3
+        steps, gradients, squares = sums[:n], sums[n:2 * n], sums[2 * n:]
+        k = self.num_learners
+        for i, (a, c) in enumerate(zip(self.learner_square[d], self.global_square[d])):
+            shift = noise_matching.translation(steps[i] / k, a.read_value(), c.read_value(), k)
+            z, w = self.center[d][i], self.weights[d][i]
+            z.assign(z.read_value() + tf.cast(shift, z.dtype))
+            w.assign(w.read_value() + tf.cast(shift, w.dtype))
+            new_a, new_c = noise_matching.update_statistics(a.read_value(), c.read_value(), squares[i],
+                                                            gradients[i], self.noise_decay)
+            a.assign(new_a)
+            c.assign(new_c)
+
+    def noise_factors(self, d=0):
+        """Noise matching's factors f on device D, one tensor per weight (None when it is off)."""
+        if self.noise_decay is None:
+            return None
+        return [noise_matching.step_factor(a.read_value(), c.read_value(), self.num_learners)
+                for a, c in zip(self.learner_square[d], self.global_square[d])]
 
     def _local_update_fn(self, weights, velocities, grads, centers, lr, shares):
         """The learners' rule on a group of weights of a device (one XLA launch): their new weights
@@ -546,7 +601,7 @@ class Engine:
         """Applies the learners' rule on device D (inside a tf.function); returns the sums of the
         learners' contributions, one per weight."""
         if self.optimizers is not None:
-            return self._optimizer_update(d, grads, lr, shares)
+            return self._optimizer_update(d, grads, lr, shares, self.noise_decay is not None)
         sums = [None] * len(grads)
         for group in self._update_groups:
             def pick(values):
@@ -560,16 +615,20 @@ class Engine:
                 sums[i] = total
         return sums
 
-    def _optimizer_update_fn(self, d, grads, lr, shares):
-        """The Keras optimizer's step on device D's learners, then the rule's correction of it."""
+    def _optimizer_update_fn(self, d, grads, lr, shares, with_steps=False):
+        """The Keras optimizer's step on device D's learners, then the rule's correction of it; the
+        sums of the learners' contributions, and WITH_STEPS then the sums of their steps."""
         before = [w.read_value() for w in self.weights[d]]
         self.optimizers.apply(d, grads, lr)
-        sums = []
+        sums, steps = [], []
         for w, s, z, share in zip(self.weights[d], before, self.center[d], shares):
-            new_w, contribution = self.algorithm.correct(s, w.read_value(), z, share)
+            stepped = w.read_value()
+            new_w, contribution = self.algorithm.correct(s, stepped, z, share)
             w.assign(new_w)
             sums.append(tf.reduce_sum(contribution, axis=0))
-        return sums
+            if with_steps:
+                steps.append(tf.reduce_sum(tf.cast(stepped - s, tf.float32), axis=0))
+        return sums + steps
 
     @property
     def optimizer_states(self):

@@ -130,3 +130,27 @@ def learner_optimizer(optimizer):
         return None
     check_learner_optimizer(optimizer)
     return optimizer
+
+
+def second_moment_decay(optimizer):
+    """The decay of OPTIMIZER's running mean square gradient (Adam's beta_2, RMSprop's rho), which
+    noise matching's statistics share; 0.999 for an optimizer without one (Adagrad, Ftrl)."""
+    for name in ("beta_2", "rho"):
+        value = getattr(optimizer, name, None)
+        if isinstance(value, float) and 0.0 < value < 1.0:
+            return value
+    return 0.999
+
+
+def check_noise_matching(optimizer, rule):
+    """Raises ValueError unless noise matching applies: an adaptive Keras OPTIMIZER for the learners
+    of an averaging RULE."""
+    if optimizer is None or isinstance(optimizer, keras.optimizers.SGD):
+        raise ValueError("noise matching applies to an adaptive optimizer (Adam, RMSprop, ...): SGD's step is "
+                         "linear in the gradient, so the learners' mean step is already one step at the global batch")
+    if rule.gradient_at_center:
+        raise ValueError("noise matching applies to averaging rules: synchronous SGD already steps z with the "
+                         "global batch's gradient")
+    if rule.synchronisation_period != 1 or getattr(rule, "local_after_epochs", None) is not None:
+        raise ValueError("noise matching needs the learners' steps of every iteration, and this rule does not "
+                         "synchronise every iteration (a sync period or local_after_epochs)")

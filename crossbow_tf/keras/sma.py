@@ -21,7 +21,7 @@ from keras import tree
 from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD
 from crossbow_tf.distribute.strategy import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
-from crossbow_tf.engine.optimizers import is_momentum_sgd, learner_optimizer
+from crossbow_tf.engine.optimizers import check_noise_matching, is_momentum_sgd, learner_optimizer
 from crossbow_tf.engine.replicated import ReplicatedLearners
 from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
@@ -115,6 +115,22 @@ def learner_rate_scale(rule, optimizer, scale=1.0):
     return scale
 
 
+def noise_matching_for(rule, optimizer, setting="auto"):
+    """use_sma's NOISE_MATCHING, resolved: whether the learners of RULE with OPTIMIZER have their
+    steps matched to the global batch's gradient noise."""
+    if setting not in ("auto", True, False) or not isinstance(setting, (str, bool)):
+        raise ValueError(f"noise_matching must be \"auto\", True or False, got {setting!r}")
+    if setting == "auto":
+        try:
+            check_noise_matching(optimizer, rule)
+        except ValueError:
+            return False
+        return True
+    if setting:
+        check_noise_matching(optimizer, rule)
+    return setting
+
+
 # Keras schedules whose rate is constant between boundaries: a fall there is a real step drop.
 def _steps_of(schedule):
     """A description of SCHEDULE's step boundaries when its rate moves in steps, else None."""
@@ -151,7 +167,7 @@ def reset_rule(algorithm, optimizer, setting="auto"):
 
 def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
             reset_on_lr_drop="auto", jit_compile=False, learners=None, per_learner_batch=False,
-            learning_rate_scale=1.0):
+            learning_rate_scale=1.0, noise_matching="auto"):
     """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
 
     Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
@@ -186,6 +202,12 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
         learners that each normalise their own B/k-example gradient moves up to sqrt(k) times less than
         one model at B where gradient noise dominates; sqrt(k) recovers that where the rate has headroom
         and destabilises a rate already at its edge, so the default is 1 (docs/keras.md has the figures).
+      noise_matching: "auto" (default): on for an adaptive optimizer's learners under an averaging rule,
+        off for SGD (linear, already matched) and for "ssgd". On, every learner's step is scaled per
+        coordinate by sqrt(E[g_b^2] / E[g_B^2]) (between 1 and sqrt(k)), estimated from the learners'
+        own gradients, so that their mean step is the optimizer's step at the global batch B
+        (crossbow_tf.algorithms.noise_matching, docs/keras.md). True: on (refused where it does not
+        apply); False: the learners take exactly the compiled optimizer's steps.
     """
     if strategy is None:
         strategy = CrossbowStrategy()
@@ -220,7 +242,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     training = CrossbowTraining(model, strategy, rule, reset_on_lr_drop=reset_on_lr_drop, jit_compile=jit_compile,
                                 learners=learners, per_learner_batch=per_learner_batch,
                                 optimizer=learner_optimizer(optimizer), loss_scale=loss_scale,
-                                learning_rate_scale=learner_rate_scale(rule, optimizer, learning_rate_scale))
+                                learning_rate_scale=learner_rate_scale(rule, optimizer, learning_rate_scale),
+                                noise_matching=noise_matching_for(rule, optimizer, noise_matching))
     setattr(model, _ATTRIBUTE, training)
     for name in _PATCHED:
         setattr(model, name, getattr(training, name))
@@ -262,7 +285,8 @@ class CrossbowTraining:
     """The learners, the synchronisation and their hook into one Keras model's training."""
 
     def __init__(self, model, strategy, algorithm, reset_on_lr_drop="auto", jit_compile=False, learners=None,
-                 per_learner_batch=False, optimizer=None, loss_scale=None, learning_rate_scale=1.0):
+                 per_learner_batch=False, optimizer=None, loss_scale=None, learning_rate_scale=1.0,
+                 noise_matching=False):
         self.model = model
         self.learning_rate_scale = float(learning_rate_scale)
         self.strategy = strategy
@@ -271,6 +295,7 @@ class CrossbowTraining:
         self._engine_options = dict(jit_compile=jit_compile, **({} if learners is None else {"learners": learners}))
         # The learners' Keras optimizer (None: the rule's own momentum SGD, from a plain SGD).
         self._engine_options["optimizer"] = optimizer
+        self._engine_options["noise_matching"] = noise_matching
         self._engine_options.update(loss_scale or {})   # Engine's loss_scale options, from a LossScaleOptimizer
         self.engine = None
         self.algorithm = algorithm.resolve(strategy.num_learners)
@@ -570,7 +595,8 @@ class CrossbowTraining:
     def state_variables(self):
         """Every variable of the learners and z (all devices), in a fixed order."""
         e = self._require_engine()
-        groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states, e.optimizer_states)
+        groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states, e.optimizer_states,
+                  e.learner_square, e.global_square)
         return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
 
     def save_state(self, path):
