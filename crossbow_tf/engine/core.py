@@ -143,6 +143,11 @@ class Engine:
                 raise ValueError(f"Engine: with a Keras optimizer the learners take its step, not the rule's: give "
                                  f"{type(optimizer).__name__} its own weight_decay instead of the rule's "
                                  f"weight_decay={algorithm.weight_decay}")
+            if getattr(algorithm, "momentum", 0):
+                raise ValueError(f"Engine: with a Keras optimizer the learners take its step, not the rule's momentum "
+                                 f"step: give {type(algorithm).__name__} momentum=0.0 (the rule's "
+                                 f"momentum={algorithm.momentum} would be unused; {type(optimizer).__name__}'s own "
+                                 "momentum options apply)")
             if not algorithm.gradient_at_center and not hasattr(algorithm, "correct"):
                 raise ValueError(f"Engine: {type(algorithm).__name__} has no correct() to follow a Keras "
                                  "optimizer's step")
