@@ -406,6 +406,13 @@ def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits):
 
     matched, engine = engine_of(keras.optimizers.Adam(1e-3))
     assert engine.noise_decay == 0.999
+    # Weights set from outside: the learners restart from them, and the statistics with their optimizer.
+    saved = [w.numpy().copy() for w in engine.learner_square[0]]
+    assert all(w.max() > 0 for w in saved)
+    matched.set_weights([0.5 * w for w in matched.get_weights()])
+    assert crossbow_tf.keras.sma.get_training(matched).adopt_model_weights()
+    assert all(not v.numpy().any() for d in engine.learner_square + engine.global_square for v in d)
+    matched.set_weights([2.0 * w for w in matched.get_weights()])
     assert engine_of(keras.optimizers.RMSprop(1e-3), algorithm=LocalSGD(period=1))[1].noise_decay == 0.9
     unmatched, engine = engine_of(keras.optimizers.Adam(1e-3), noise_matching=False)
     assert engine.noise_decay is None

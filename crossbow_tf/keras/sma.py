@@ -582,6 +582,9 @@ class CrossbowTraining:
                     engine.states[d][i].assign(np.stack([s] * m))
         if engine.optimizers is not None:
             engine.optimizers.restart()
+        for statistic in engine.learner_square + engine.global_square:   # noise matching's, of the old weights
+            for v in statistic:
+                v.assign(tf.zeros_like(v))
         self.previous_lr.assign(0.0)
         return True
 
