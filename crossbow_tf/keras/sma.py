@@ -170,7 +170,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
             learning_rate_scale=1.0, noise_matching="auto"):
     """Makes MODEL's ``fit`` train k learners with Crossbow's synchronous model averaging.
 
-    Call after ``model.compile(optimizer=keras.optimizers.SGD(...), loss=..., metrics=...)``; returns
+    Call after ``model.compile(optimizer=..., loss=..., metrics=...)`` (momentum SGD, Adam, RMSprop or
+    any other elementwise Keras optimizer, each learner with its own state); returns
     MODEL itself. From then on ``model.fit(..., batch_size=B)`` runs k = strategy.num_learners
     learners of B / k examples each per step (tf.distribute's convention: B is the global batch),
     and MODEL holds the central average model z.
@@ -198,10 +199,10 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
       per_learner_batch: True gives ``batch_size`` (and a dataset's batch) Crossbow's meaning, the
         batch b of one learner, so that a step takes k*b examples.
       learning_rate_scale: the learners of an adaptive optimizer (Adam, RMSprop, ...) step at this
-        times the compiled rate (schedules and callbacks still set the compiled rate). An average of k
-        learners that each normalise their own B/k-example gradient moves up to sqrt(k) times less than
-        one model at B where gradient noise dominates; sqrt(k) recovers that where the rate has headroom
-        and destabilises a rate already at its edge, so the default is 1 (docs/keras.md has the figures).
+        times the compiled rate (schedules and callbacks still set the compiled rate); default 1.
+        Noise matching (below) is what keeps z at plain Keras's pace: a fixed sqrt(k) here lets every
+        learner walk further on its own noisy gradient and destabilises a rate at its edge
+        (docs/keras.md has the figures).
       noise_matching: "auto" (default): on for an adaptive optimizer's learners under an averaging rule,
         off for SGD (linear, already matched) and for "ssgd". On, every learner's step is scaled per
         coordinate by sqrt(E[g_b^2] / E[g_B^2]) (between 1 and sqrt(k)), estimated from the learners'
