@@ -242,6 +242,7 @@ class Engine:
             self._optimizer_apply = tf.function(self.optimizers.apply, jit_compile=jit_update, autograph=False)
             self._optimizer_update = tf.function(self._optimizer_update_fn, jit_compile=jit_update,
                                                  autograph=False)
+            self._noise_update = tf.function(self._noise_update_fn, jit_compile=jit_update, autograph=False)
         self.iteration = 0                # the next train_step's iteration, unless it is given one
         self.iterations_per_epoch = None  # for rules whose period changes after some epochs
         self._reset = tf.function(self._reset_fn, autograph=False)
@@ -490,11 +491,6 @@ class Engine:
                             for g, z, s in zip(grads, self.center[d], shares)]
                 else:
                     sums = self.update_learners(d, grads, lr, shares)
-                if self.noise_decay is not None:
-                    # After the learners' steps: the B-example gradient and the learners' mean square
-                    # gradient, each a sum weighted by the learners' shares of the examples.
-                    sums = sums + [tf.reduce_sum(s * tf.cast(g, tf.float32), axis=0) for g, s in zip(grads, shares)] \
-                        + [tf.reduce_sum(s * tf.square(tf.cast(g, tf.float32)), axis=0) for g, s in zip(grads, shares)]
                 # Each learner's state as its difference from z's: state that no learner changes (a
                 # Normalization layer's adapted statistics) stays exactly z's, where a sum of k equal
                 # values divided by k would round.
@@ -537,20 +533,27 @@ class Engine:
 
     def _match_noise(self, d, sums):
         """Noise matching on device D from the iteration's reduced SUMS (the learners' steps, weighted
-        gradients, weighted square gradients): z and every learner move on by the part of the global
-        batch's step that the learners' mean step lacks, then the statistics take this iteration in."""
-        n = len(sums) // 3
+        gradients, weighted square gradients)."""
+        variables = (self.center[d], self.weights[d], self.learner_square[d], self.global_square[d])
+        new = self._noise_update(*[[v.read_value() for v in group] for group in variables], sums)
+        for group, values in zip(variables, new):
+            for variable, value in zip(group, values):
+                variable.assign(value)
+
+    def _noise_update_fn(self, centers, weights, learner_squares, global_squares, sums):
+        """z and every learner moved on by the part of the global batch's step that the learners'
+        mean step lacks, then the statistics with this iteration taken in (one XLA launch; the new
+        values are returned, as in _local_update_fn)."""
+        n, k = len(centers), self.num_learners
         steps, gradients, squares = sums[:n], sums[n:2 * n], sums[2 * n:]
-        k = self.num_learners
-        for i, (a, c) in enumerate(zip(self.learner_square[d], self.global_square[d])):
-            shift = noise_matching.translation(steps[i] / k, a.read_value(), c.read_value(), k)
-            z, w = self.center[d][i], self.weights[d][i]
-            z.assign(z.read_value() + tf.cast(shift, z.dtype))
-            w.assign(w.read_value() + tf.cast(shift, w.dtype))
-            new_a, new_c = noise_matching.update_statistics(a.read_value(), c.read_value(), squares[i],
-                                                            gradients[i], self.noise_decay)
-            a.assign(new_a)
-            c.assign(new_c)
+        new = ([], [], [], [])
+        for z, w, a, c, step, mean_gradient, mean_square in zip(centers, weights, learner_squares, global_squares,
+                                                                steps, gradients, squares):
+            shift = noise_matching.translation(step / k, a, c, k)
+            new_a, new_c = noise_matching.update_statistics(a, c, mean_square, mean_gradient, self.noise_decay)
+            for values, value in zip(new, (z + tf.cast(shift, z.dtype), w + tf.cast(shift, w.dtype), new_a, new_c)):
+                values.append(value)
+        return new
 
     def noise_factors(self, d=0):
         """Noise matching's factors f on device D, one tensor per weight (None when it is off)."""
@@ -620,9 +623,12 @@ class Engine:
                 sums[i] = total
         return sums
 
-    def _optimizer_update_fn(self, d, grads, lr, shares, with_steps=False):
+    def _optimizer_update_fn(self, d, grads, lr, shares, noise_sums=False):
         """The Keras optimizer's step on device D's learners, then the rule's correction of it; the
-        sums of the learners' contributions, and WITH_STEPS then the sums of their steps."""
+        sums of the learners' contributions, and with NOISE_SUMS then those of their steps, of their
+        gradients and of their squared gradients (both weighted by the learners' SHARES of the
+        examples: the B-example gradient and the learners' mean square gradient), computed in the
+        same XLA launch as the step, which reads every gradient and weight anyway."""
         before = [w.read_value() for w in self.weights[d]]
         self.optimizers.apply(d, grads, lr)
         sums, steps = [], []
@@ -631,9 +637,13 @@ class Engine:
             new_w, contribution = self.algorithm.correct(s, stepped, z, share)
             w.assign(new_w)
             sums.append(tf.reduce_sum(contribution, axis=0))
-            if with_steps:
+            if noise_sums:
                 steps.append(tf.reduce_sum(tf.cast(stepped - s, tf.float32), axis=0))
-        return sums + steps
+        if not noise_sums:
+            return sums
+        grads = [tf.cast(g, tf.float32) for g in grads]
+        return (sums + steps + [tf.reduce_sum(p * g, axis=0) for g, p in zip(grads, shares)]
+                + [tf.reduce_sum(p * g * g, axis=0) for g, p in zip(grads, shares)])
 
     @property
     def optimizer_states(self):
