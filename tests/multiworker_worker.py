@@ -3,10 +3,17 @@ digits through the engine and then through Keras's fit, and saves z before and a
 Run with TF_CONFIG for a worker of a cluster, without it for one process.
 
     python tests/multiworker_worker.py engine|keras|both OUT --devices D --learners M
-        [--iterations N] [--timeout S] [--rules sma sma_h3 diloco_h3]
+        [--iterations N] [--timeout S] [--rules sma sma_h3 diloco_h3 sma_adam sma_adam_nm]
+        [--resume RULE ...]
 
 writes OUT.engine.npz, OUT.engine.initial.npz (and the same for keras); each rule of --rules
-but "sma" trains through the engine too, into OUT.engine_RULE.npz.
+but "sma" trains through the engine too, into OUT.engine_RULE.npz. A rule with a Keras optimizer
+for the learners (sma_adam: Adam; sma_adam_nm: Adam with noise matching) also writes this worker's
+learners, OUT.engine_RULE.learners.npz, and with noise matching its running means (device 0's),
+OUT.engine_RULE.noise.npz. For each rule of --resume a checkpoint is written after N // 2 + 1
+iterations (the chief's, in OUT.engine_RULE.ckpt), and a fresh engine restored from it trains the
+rest, into OUT.engine_RULE.resumed.npz (z and state) and .resumed.learners.npz; with noise matching
+also .stopped.noise.npz and .restored.noise.npz (the running means saved, and just after the restore).
 """
 import argparse
 import contextlib
@@ -27,17 +34,23 @@ def parse():
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--timeout", type=float, default=15.0)
     p.add_argument("--rules", nargs="+", choices=sorted(RULES), default=["sma"])
+    p.add_argument("--resume", nargs="*", choices=sorted(RULES), default=[])
     return p.parse_args()
 
 
 def _rules():
+    """Per rule name: the update rule, the Engine's options and the learning rate."""
+    import keras
     from crossbow_tf.algorithms import SMA, LocalSGD
-    return {"sma": SMA(),
-            "sma_h3": SMA(alpha=0.3, central_step=1.5, sync_period=3),
-            "diloco_h3": LocalSGD(period=3, outer_learning_rate=0.7, outer_momentum=0.9, nesterov=True)}
+    return {"sma": (SMA(), {}, 0.05),
+            "sma_h3": (SMA(alpha=0.3, central_step=1.5, sync_period=3), {}, 0.05),
+            "diloco_h3": (LocalSGD(period=3, outer_learning_rate=0.7, outer_momentum=0.9, nesterov=True), {}, 0.05),
+            "sma_adam": (SMA(momentum=0.0), dict(optimizer=keras.optimizers.Adam()), ADAM_LR),
+            "sma_adam_nm": (SMA(momentum=0.0), dict(optimizer=keras.optimizers.Adam(), noise_matching=True), ADAM_LR)}
 
 
-RULES = ("sma", "sma_h3", "diloco_h3")
+RULES = ("sma", "sma_h3", "diloco_h3", "sma_adam", "sma_adam_nm")
+ADAM_LR = 0.002
 
 
 def main():
@@ -54,8 +67,8 @@ def main():
             train_keras(strategy, data, args, f"{args.out}.keras")
             continue
         for rule in args.rules:
-            train_engine(strategy, data, args, f"{args.out}.engine" + ("" if rule == "sma" else f"_{rule}"),
-                         _rules()[rule])
+            out = f"{args.out}.engine" + ("" if rule == "sma" else f"_{rule}")
+            train_engine(strategy, data, args, out, *_rules()[rule], resume=rule in args.resume)
     print("done", flush=True)
 
 
@@ -85,10 +98,10 @@ def _collectives_per_step(engine, x, y, mask, *count, step=None):
     return count
 
 
-def train_engine(strategy, data, args, out, rule):
+def _batches(strategy, data, n):
+    """The first N iterations' batches of this worker, as the trainer feeds them."""
     import keras
     from crossbow_tf.data.pipeline import train_batches
-    from crossbow_tf.engine.core import Engine
     # The example order must be the same on every worker (tf.data's shuffle also reads the global seed).
     # Like the trainer, a worker reads only its own learners' rows of every iteration.
     keras.utils.set_random_seed(7)
@@ -96,19 +109,69 @@ def train_engine(strategy, data, args, out, rule):
     rows = (start, start + strategy.local_learners * BATCH) if strategy.num_workers > 1 else None
     batches = iter(train_batches(data.train, strategy.num_learners * BATCH, epoch=1, seed=3,
                                  map_fn=data.train_map, rows=rows))
-    model = fresh_model(strategy, data)
-    engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), rule, strategy)
-    save(out + ".initial.npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]])
+    return [next(batches) for _ in range(n)]
+
+
+def _engine(strategy, data, rule, options):
+    import keras
+    from crossbow_tf.engine.core import Engine
+    return Engine(fresh_model(strategy, data), keras.losses.SparseCategoricalCrossentropy(from_logits=True), rule,
+                  strategy, **options)
+
+
+def _train(strategy, engine, batches, lr):
+    """The engine's iterations on BATCHES; their losses."""
     losses = []
     with strategy.cluster.guard() if strategy.cluster else contextlib.nullcontext():
-        for _ in range(args.iterations):
-            x, y, mask, *count = next(batches)
-            loss, _ = engine.train_step(x, y, mask, 0.05, *count)
+        for x, y, mask, *count in batches:
+            loss, _ = engine.train_step(x, y, mask, lr, *count)
             losses.append(float(loss))
+    return losses
+
+
+def _save_learners(engine, out):
+    """With a Keras optimizer for the learners: this worker's learners' weights."""
+    if engine.optimizers is not None:
+        save(out + ".learners.npz", [w for learner in engine.learner_weights() for w in learner], [])
+
+
+def _save_noise(engine, out):
+    """With noise matching: its running means on the first device."""
+    if engine.noise_decay is not None:
+        save(out + ".noise.npz", [v.numpy() for v in engine.learner_square[0] + engine.global_square[0]], [])
+
+
+def train_engine(strategy, data, args, out, rule, options, lr, resume=False):
+    """RESUME: also a checkpoint after N // 2 + 1 iterations (the chief's, in OUT.ckpt), from which a
+    fresh engine (as a resumed process builds it) trains the rest."""
+    from crossbow_tf.engine.checkpoint import Checkpoints, Progress
+    from crossbow_tf.results import RunResults
+    batches = _batches(strategy, data, args.iterations)
+    engine = _engine(strategy, data, rule, options)
+    save(out + ".initial.npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]])
+    stop = args.iterations // 2 + 1 if resume else args.iterations
+    losses = _train(strategy, engine, batches[:stop], lr)
+    if resume:
+        Checkpoints(out + ".ckpt", engine).save(Progress(iteration=stop), RunResults("sma", {}, env={}))
+        _save_noise(engine, out + ".stopped")
+        losses += _train(strategy, engine, batches[stop:], lr)
+    x, y, mask, *count = batches[-1]
     local = (_collectives_per_step(engine, x, y, mask, *count, step=engine._local_step)
              if engine.algorithm.synchronisation_period > 1 else -1)
     save(out + ".npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]], losses,
          collectives=_collectives_per_step(engine, x, y, mask, *count), local_collectives=local)
+    _save_learners(engine, out)
+    _save_noise(engine, out)
+    if resume:
+        resumed = _engine(strategy, data, rule, options)
+        _, progress = Checkpoints(out + ".ckpt", resumed).restore_newest(RunResults("sma", {}, env={}),
+                                                                         log=lambda line: None)
+        assert progress.iteration == stop
+        resumed.iteration = stop
+        _save_noise(resumed, out + ".restored")
+        losses = _train(strategy, resumed, batches[stop:], lr)
+        save(out + ".resumed.npz", resumed.center_weights(), [s.numpy() for s in resumed.center_states[0]], losses)
+        _save_learners(resumed, out + ".resumed")
 
 
 def train_keras(strategy, data, args, out):

@@ -66,12 +66,14 @@ def trained(tmp_path_factory):
     through the engine as the trainer feeds it (each worker reads only its own rows of every
     iteration; 5 iterations) and then through Keras's fit (every worker reads whole iterations; 5 steps).
     Through the engine also with rules that synchronise every third iteration (at iteration 2):
-    decoupled SMA and DiLoCo's local SGD."""
+    decoupled SMA and DiLoCo's local SGD; and SMA with Adam for the learners, without and with noise
+    matching, the latter also resumed by fresh engines from a checkpoint of iteration 3."""
     out = tmp_path_factory.mktemp("multiworker")
     configs, _ = cluster_configs(2)
-    common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5", "--rules", "sma", "sma_h3", "diloco_h3"]
-    procs = [start([WORKER_SCRIPT, "both", str(out / f"worker{i}"), "--devices", "2", *common],
-                   configs[i]) for i in range(2)]
+    common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5",
+              "--rules", "sma", "sma_h3", "diloco_h3", "sma_adam", "sma_adam_nm"]
+    procs = [start([WORKER_SCRIPT, "both", str(out / f"worker{i}"), "--devices", "2", *common,
+                    "--resume", "sma_adam_nm"], configs[i]) for i in range(2)]
     procs.append(start([WORKER_SCRIPT, "both", str(out / "single"), "--devices", "4", *common]))
     for proc in procs:
         code, _, err = finish(proc, timeout=240)
@@ -118,6 +120,65 @@ def test_two_workers_equal_one_process_with_the_same_learners(trained, path):
     assert max(float(np.max(np.abs(a - c))) for a, c in zip(single, initial)) > 1e-4
     np.testing.assert_allclose(losses0, single_losses, rtol=1e-5)
     np.testing.assert_array_equal(losses0, losses1)
+
+
+def largest_difference(arrays, others):
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(arrays, others))
+
+
+def cluster_and_single(trained, name):
+    """NAME's (z and state, losses) and learners from both workers, and from the single process:
+    worker 1's learners follow worker 0's, the order of the single process's."""
+    z = [load(trained / f"{who}.{name}.npz") for who in ("worker0", "worker1", "single")]
+    learners = [load(trained / f"{who}.{name}.learners.npz")[0] for who in ("worker0", "worker1", "single")]
+    return z, learners[0] + learners[1], learners[2]
+
+
+@pytest.mark.parametrize("rule", ["sma_adam", "sma_adam_nm"])
+def test_adam_learners_on_two_workers_equal_one_process_with_the_same_learners(trained, rule):
+    """Adam's step for the learners (and with noise matching its statistics, which travel in the same
+    one all-reduce per iteration): z, the learners and the running means as in one process."""
+    ((z0, losses0), (z1, losses1), (single, single_losses)), learners, single_learners = \
+        cluster_and_single(trained, f"engine_{rule}")
+    for name in ("worker0", "worker1", "single"):
+        with np.load(trained / f"{name}.engine_{rule}.npz") as f:
+            assert int(f["collectives"]) == (0 if name == "single" else 1)
+    for a, b in zip(z0, z1):
+        assert np.array_equal(a, b)
+    for a, c in zip(z0, single):
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+    assert len(learners) == len(single_learners) == 8 * 8   # 8 learners x LeNet's 8 weights
+    for a, c in zip(learners, single_learners):
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(losses0, losses1)
+    np.testing.assert_allclose(losses0, single_losses, rtol=1e-5)
+    initial, _ = load(trained / f"single.engine_{rule}.initial.npz")
+    assert largest_difference(single[:8], initial) > 1e-3
+    if rule == "sma_adam_nm":
+        noise = [load(trained / f"{who}.engine_{rule}.noise.npz")[0] for who in ("worker0", "worker1", "single")]
+        for a, b, c in zip(*noise):
+            assert np.array_equal(a, b)
+            np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-12)
+        # The teeth: noise matching moved z well beyond the tolerance, from where Adam alone took it.
+        ((plain, _), _, _), plain_learners, _ = cluster_and_single(trained, "engine_sma_adam")
+        assert largest_difference(z0[:8], plain[:8]) > 1e-3
+        assert largest_difference(learners, plain_learners) > 1e-3
+
+
+def test_adam_learners_with_noise_matching_resume_on_two_workers_where_the_run_goes_on(trained):
+    """Fresh engines (a resumed cluster's) restored from the chief's checkpoint of iteration 3: the
+    running means reach both workers, and z and every learner end as without the stop, bit for bit."""
+    rule = "engine_sma_adam_nm"
+    saved, _ = load(trained / f"worker0.{rule}.stopped.noise.npz")
+    assert min(float(np.max(a)) for a in saved) > 0
+    for name in ("worker0", "worker1"):
+        restored, _ = load(trained / f"{name}.{rule}.restored.noise.npz")
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(restored, saved)), name
+        for part in ("", ".learners"):
+            resumed, _ = load(trained / f"{name}.{rule}.resumed{part}.npz")
+            reference, _ = load(trained / f"{name}.{rule}{part}.npz")
+            assert len(resumed) == len(reference) and len(resumed) >= 9
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, reference)), name + part
 
 
 def run_args(*extra):
