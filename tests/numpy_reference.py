@@ -207,11 +207,10 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
     u = mu_z*u + sum_j alpha*(s_j - z); z = z + u. EASGD: the same correction, z = z + sum_j alpha*(s_j - z).
     Local SGD: as run_reference's. Returns (z, learners).
 
-    NOISE_DECAY (noise matching): a synchronising iteration's update of z and of every learner adds
-    the translation of the previous one, then the translation becomes (f - 1) * mean_j(step(s_j) - s_j),
-    f = sqrt(clip(a / c, 1, k)) per coordinate, where a and c are running means (decay NOISE_DECAY,
-    from 0, updated after that) of sum_j p_j g_j^2 and of (sum_j p_j g_j)^2, p_j being learner j's
-    share of the iteration's examples."""
+    NOISE_DECAY (noise matching): after the iteration's update, z and every learner move on by
+    (f - 1) * mean_j(step(s_j) - s_j), f = sqrt(clip(a / c, 1, k)) per coordinate, where a and c are
+    running means (decay NOISE_DECAY, from 0, updated after that) of sum_j p_j g_j^2 and of
+    (sum_j p_j g_j)^2, p_j being learner j's share of the iteration's examples."""
     n = len(y)
     per_epoch = -(-n // (k * b))
     z = [p.astype(np.float64).copy() for p in params0]
@@ -222,7 +221,6 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
         alpha = 0.9 / k if algorithm == "easgd" else 1.0 / k
     a = [np.zeros_like(p) for p in z]
     c = [np.zeros_like(p) for p in z]
-    shift = [np.zeros_like(p) for p in z]
     for t in range(iterations):
         lr = lr_at(t, base_lr, drops, factor)
         if algorithm == "sma" and t > 0 and lr < lr_at(t - 1, base_lr, drops, factor):
@@ -261,10 +259,10 @@ def run_reference_optimizer(algorithm, optimizer, params0, x, y, k, b, iteration
                 z[i] = z[i] - outer_lr * ((g_o + outer_mu * u[i]) if nesterov else u[i])
         if noise_decay is not None:
             for i in range(len(z)):
-                z[i] = z[i] + shift[i]
+                shift = (noise_stretch(a[i], c[i], k) - 1.0) * mean_step[i]
+                z[i] = z[i] + shift
                 for j in range(k):
-                    w[j][i] = w[j][i] + shift[i]
-            shift = [(noise_stretch(ai, ci, k) - 1.0) * q for ai, ci, q in zip(a, c, mean_step)]
+                    w[j][i] = w[j][i] + shift
             a = [noise_decay * ai + (1 - noise_decay) * q for ai, q in zip(a, mean_square)]
             c = [noise_decay * ci + (1 - noise_decay) * q ** 2 for ci, q in zip(c, mean_g)]
         if algorithm == "localsgd":

@@ -16,8 +16,7 @@ B-example gradient. Where the learners' gradients agree f is 1, where they are p
 Noise matching moves z and every learner on by the same translation (f - 1) * s, s the learners'
 mean step, so that z advances f * s, one step of the optimizer at B, while each learner's own noise
 is not amplified and its distance to z, which the rule's correction and its stability act on, is the
-rule's own. (The engine applies an iteration's translation with the next synchronisation's update,
-which writes every learner anyway.) (Stretching each learner's own step by f instead gives the same mean but lets every
+rule's own. (Stretching each learner's own step by f instead gives the same mean but lets every
 learner walk sqrt(k) times further on its own noisy gradient: with RMSprop at a rate near its edge
 that diverged, docs/keras.md.)
 
@@ -50,3 +49,7 @@ def step_factor(learner_square, global_square, num_learners):
     ratio = (learner_square + tiny) / (global_square + tiny)
     return ops.sqrt(ops.minimum(ops.maximum(ratio, 1.0), float(num_learners)))
 
+
+def translation(mean_step, learner_square, global_square, num_learners):
+    """How far z and every learner move on after an iteration whose learners' mean step was MEAN_STEP."""
+    return (step_factor(learner_square, global_square, num_learners) - 1.0) * mean_step

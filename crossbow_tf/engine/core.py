@@ -209,15 +209,14 @@ class Engine:
                                                 strategy.devices, model.trainable_variables, stacked=learner_weights)
         # Noise matching's running means, identical on every device (updated from the all-reduced sums).
         self.noise_decay = second_moment_decay(optimizer) if noise_matching else None
-        # Per device: the running means, and the translation that the next synchronisation applies.
-        self.learner_square, self.global_square, self.noise_shift = [], [], []
+        self.learner_square, self.global_square = [], []
         if noise_matching:
             for device in strategy.devices:
                 with tf.device(device):
-                    for group, name in ((self.learner_square, "learner_square"), (self.global_square, "global_square"),
-                                        (self.noise_shift, "noise_shift")):
-                        group.append([tf.Variable(np.zeros(w.shape, np.float32), trainable=False, name=name)
-                                      for w in trainable])
+                    self.learner_square.append([tf.Variable(np.zeros(w.shape, np.float32), trainable=False,
+                                                            name="learner_square") for w in trainable])
+                    self.global_square.append([tf.Variable(np.zeros(w.shape, np.float32), trainable=False,
+                                                           name="global_square") for w in trainable])
         # The learners' update touches every learner's copy of every weight several times and is
         # memory-bound; compiling it with XLA fuses those passes (tools/ab_step.py, LeNet with 8
         # learners: 24.6 instead of 29.3 ms per iteration). The central update touches one copy: compiling
@@ -532,40 +531,32 @@ class Engine:
             self._reset_fn()
         return loss_sum
 
-    def noise_variables(self, d):
-        """Device D's noise-matching variables (empty when it is off), in a fixed order."""
-        if self.noise_decay is None:
-            return []
-        return self.learner_square[d] + self.global_square[d] + self.noise_shift[d]
-
     def _match_noise(self, d, sums):
         """Noise matching on device D from the iteration's reduced SUMS (the learners' steps, weighted
-        gradients, weighted square gradients): the translation of z and every learner, which the next
-        synchronising iteration's updates apply (writing the learners' stacks once more here would be
-        a pass over all of them: 8 of the 15 ms noise matching cost LeNet's iteration), then the
-        statistics with this iteration taken in."""
-        variables = (self.noise_shift[d], self.learner_square[d], self.global_square[d])
+        gradients, weighted square gradients)."""
+        variables = (self.center[d], self.weights[d], self.learner_square[d], self.global_square[d])
         new = self._noise_update(*[[v.read_value() for v in group] for group in variables], sums)
         for group, values in zip(variables, new):
             for variable, value in zip(group, values):
                 variable.assign(value)
 
-    def _noise_update_fn(self, shifts, learner_squares, global_squares, sums):
-        """(translations, statistics) after this iteration, one XLA launch over one copy of the
-        weights (the new values are returned, as in _local_update_fn); the translation uses f as of
-        the statistics before this iteration."""
-        n, k = len(shifts), self.num_learners
+    def _noise_update_fn(self, centers, weights, learner_squares, global_squares, sums):
+        """z and every learner moved on by the part of the global batch's step that the learners'
+        mean step lacks, then the statistics with this iteration taken in (one XLA launch; the new
+        values are returned, as in _local_update_fn)."""
+        n, k = len(centers), self.num_learners
         steps, gradients, squares = sums[:n], sums[n:2 * n], sums[2 * n:]
-        new = ([], [], [])
-        for a, c, step, mean_gradient, mean_square in zip(learner_squares, global_squares, steps, gradients, squares):
-            shift = (noise_matching.step_factor(a, c, k) - 1.0) * (step / k)
+        new = ([], [], [], [])
+        for z, w, a, c, step, mean_gradient, mean_square in zip(centers, weights, learner_squares, global_squares,
+                                                                steps, gradients, squares):
+            shift = noise_matching.translation(step / k, a, c, k)
             new_a, new_c = noise_matching.update_statistics(a, c, mean_square, mean_gradient, self.noise_decay)
-            for values, value in zip(new, (shift, new_a, new_c)):
+            for values, value in zip(new, (z + tf.cast(shift, z.dtype), w + tf.cast(shift, w.dtype), new_a, new_c)):
                 values.append(value)
         return new
 
     def noise_factors(self, d=0):
-        """Noise matching's factors f in force on device D, one tensor per weight (None when it is off)."""
+        """Noise matching's factors f on device D, one tensor per weight (None when it is off)."""
         if self.noise_decay is None:
             return None
         return [noise_matching.step_factor(a.read_value(), c.read_value(), self.num_learners)
@@ -641,15 +632,13 @@ class Engine:
         before = [w.read_value() for w in self.weights[d]]
         self.optimizers.apply(d, grads, lr)
         sums, steps = [], []
-        shifts = self.noise_shift[d] if noise_sums else [None] * len(before)
-        for w, s, z, share, shift in zip(self.weights[d], before, self.center[d], shares, shifts):
+        for w, s, z, share in zip(self.weights[d], before, self.center[d], shares):
             stepped = w.read_value()
             new_w, contribution = self.algorithm.correct(s, stepped, z, share)
-            if noise_sums:   # the previous synchronisation's translation (see _match_noise)
-                new_w = new_w + tf.cast(shift, new_w.dtype)
-                steps.append(tf.reduce_sum(tf.cast(stepped - s, tf.float32), axis=0))
             w.assign(new_w)
             sums.append(tf.reduce_sum(contribution, axis=0))
+            if noise_sums:
+                steps.append(tf.reduce_sum(tf.cast(stepped - s, tf.float32), axis=0))
         if not noise_sums:
             return sums
         grads = [tf.cast(g, tf.float32) for g in grads]
@@ -705,8 +694,6 @@ class Engine:
             return
         new_center, new_center_velocity = self._central_update(
             self.center[d], self.center_velocity[d], totals, lr)
-        if self.noise_shift:   # noise matching's translation of the previous synchronisation
-            new_center = [z + tf.cast(shift, z.dtype) for z, shift in zip(new_center, self.noise_shift[d])]
         for variable, value in zip(self.center[d] + self.center_velocity[d], new_center + new_center_velocity):
             variable.assign(value)
 

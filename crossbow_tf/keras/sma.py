@@ -583,8 +583,8 @@ class CrossbowTraining:
                     engine.states[d][i].assign(np.stack([s] * m))
         if engine.optimizers is not None:
             engine.optimizers.restart()
-        for d in range(self.strategy.num_devices):   # noise matching's, of the old weights
-            for v in engine.noise_variables(d):
+        for statistic in engine.learner_square + engine.global_square:   # noise matching's, of the old weights
+            for v in statistic:
                 v.assign(tf.zeros_like(v))
         self.previous_lr.assign(0.0)
         return True
@@ -600,7 +600,7 @@ class CrossbowTraining:
         """Every variable of the learners and z (all devices), in a fixed order."""
         e = self._require_engine()
         groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states, e.optimizer_states,
-                  [e.noise_variables(d) for d in range(self.strategy.num_devices)])
+                  e.learner_square, e.global_square)
         return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
 
     def save_state(self, path):
