@@ -399,12 +399,13 @@ def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits):
     x, y = x[:256], y[:256]
     strategy = CrossbowStrategy(devices=DEVICES[:2], learners_per_device=2)
 
-    def engine_of(optimizer, **options):
-        model = crossbow_tf.use_sma(digits_mlp(optimizer), strategy, **options)
-        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    def engine_of(optimizer, fit=False, **options):
+        model = crossbow_tf.use_sma(digits_mlp(optimizer), strategy, **options)   # built: its engine exists
+        if fit:
+            model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
         return model, crossbow_tf.keras.sma.get_training(model).engine
 
-    matched, engine = engine_of(keras.optimizers.Adam(1e-3))
+    matched, engine = engine_of(keras.optimizers.Adam(1e-3), fit=True)
     assert engine.noise_decay == 0.999
     # Weights set from outside: the learners restart from them, and the statistics with their optimizer.
     saved = [w.numpy().copy() for w in engine.learner_square[0]]
@@ -414,7 +415,7 @@ def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits):
     assert all(not v.numpy().any() for d in engine.learner_square + engine.global_square for v in d)
     matched.set_weights([2.0 * w for w in matched.get_weights()])
     assert engine_of(keras.optimizers.RMSprop(1e-3), algorithm=LocalSGD(period=1))[1].noise_decay == 0.9
-    unmatched, engine = engine_of(keras.optimizers.Adam(1e-3), noise_matching=False)
+    unmatched, engine = engine_of(keras.optimizers.Adam(1e-3), fit=True, noise_matching=False)
     assert engine.noise_decay is None
     assert max(np.abs(a - b).max() for a, b in zip(matched.get_weights(), unmatched.get_weights())) > 1e-4
     for optimizer, options in ((keras.optimizers.SGD(0.05, momentum=0.9), {}),
