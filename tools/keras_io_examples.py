@@ -26,8 +26,14 @@ ModelCheckpoint paths without the .keras suffix that Keras 3 requires) fails wit
 not counted. docs/keras.md has the accuracies, and why SMA with Adam/RMSprop needs noise matching
 (use_sma's default for them) to keep up with plain Keras.
 
+    python tools/keras_io_examples.py --scripts mnist_convnet antirectifier training_with_built_in_methods \
+        --only "end-to-end example" --require-within 3     # .ci/run's check of issue 18's 3 points
+
+exits 1, naming the script, when a step that runs in plain Keras fails with SMA or SMA's test
+accuracy is more than the given points below plain Keras's.
+
 Prints a table of every step's outcome and time in both runs and the test accuracies, then one
-JSON line with all of it.
+JSON line with all of it (and with --require-within, one line saying whether it holds).
 """
 import argparse
 import contextlib
@@ -95,6 +101,10 @@ class Steps:
             return name in self.only
         return not self.short or name not in LEFT_OUT_OF_SHORT_FORM
 
+    def cut(self, x, y):
+        """The short form's training data: the first SHORT_FORM_EXAMPLES."""
+        return x[:SHORT_FORM_EXAMPLES], y[:SHORT_FORM_EXAMPLES]
+
     @contextlib.contextmanager
     def __call__(self, name):
         start = time.perf_counter()
@@ -116,6 +126,8 @@ LEFT_OUT_OF_SHORT_FORM = {"custom Loss class", "custom metric", "tf.data with st
                           "class_weight", "sample_weight", "dataset with sample weights", "custom loss function",
                           "multi-input, multi-output: lists and dicts", "EarlyStopping", "logs dict",
                           "early stopping at minimum loss", "add_loss in a layer", "tf.data"}
+# The short form trains mnist_convnet and antirectifier 1 epoch on this many digits (of 4,000).
+SHORT_FORM_EXAMPLES = 2048
 
 
 def mnist_convnet(sma, step):
@@ -138,6 +150,8 @@ def mnist_convnet(sma, step):
         model.summary()
     batch_size = 128
     epochs = 3
+    if step.short:
+        (x_train, y_train), epochs = step.cut(x_train, y_train), 1
     with step("compile and fit"):
         model.compile(loss="categorical_crossentropy", optimizer=OPTIMIZERS["mnist_convnet"](), metrics=["accuracy"])
         model = sma(model)
@@ -177,6 +191,8 @@ def antirectifier(sma, step):
     (x_train, y_train), (x_test, y_test) = load_embedded_mnist()
     x_train = x_train.reshape(-1, 784)
     x_test = x_test.reshape(-1, 784)
+    if step.short:
+        (x_train, y_train), epochs = step.cut(x_train, y_train), 1
     with step("build, compile and fit"):
         model = keras.Sequential([
             keras.Input(shape=(784,)),
@@ -401,7 +417,7 @@ def training_with_built_in_methods(sma, step, workdir):
             model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(),
                           metrics=[keras.metrics.SparseCategoricalAccuracy()])
             model = sma(model)
-            history = model.fit(x_train, y_train, batch_size=64, epochs=2,
+            history = model.fit(x_train, y_train, batch_size=64, epochs=1 if step.short else 2,
                                 validation_data=(x_val, y_val), verbose=0)
             assert set(history.history) == {"loss", "sparse_categorical_accuracy", "val_loss",
                                             "val_sparse_categorical_accuracy"}
@@ -612,7 +628,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scripts", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
     p.add_argument("--short", action="store_true",
-                   help="CI's form: leave out the steps that repeat others (the classifiers train as in the full form)")
+                   help="CI's form: leave out steps that repeat others, train the two classifiers 1 epoch on 2,048 digits")
     p.add_argument("--sgd", action="store_true",
                    help="swap every optimizer line for momentum SGD (this tool's form before use_sma took Adam/RMSprop)")
     p.add_argument("--learning-rate-scale", type=float, default=1.0,
@@ -626,6 +642,9 @@ def main(argv=None):
                    help="use_sma(..., algorithm=LocalSGD(period=1, outer_learning_rate=R)) instead of SMA")
     p.add_argument("--noise-matching", choices=("auto", "on", "off"), default="auto",
                    help="use_sma(..., noise_matching=...) in the SMA run (default auto: the two lines as written)")
+    p.add_argument("--require-within", type=float, metavar="POINTS",
+                   help="exit 1 unless every step that runs in plain Keras runs with SMA and SMA's test accuracy "
+                        "is at most POINTS below plain Keras's")
     args = p.parse_args(argv)
     noise_matching = {"auto": "auto", "on": True, "off": False}[args.noise_matching]
     results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed, args.only,
@@ -649,7 +668,24 @@ def main(argv=None):
                   f"SMA {modes['sma'].accuracy['test']:.4f}")
     print(json.dumps({name: {mode: {"outcome": s.outcome, "seconds": s.seconds, "results": s.accuracy}
                              for mode, s in modes.items()} for name, modes in results.items()}))
-    return 0
+    if args.require_within is None:
+        return 0
+    problems = []
+    for name, modes in results.items():
+        plain, sma = modes["plain"], modes["sma"]
+        problems += [f"{name}: step {step!r} runs in plain Keras and fails with SMA"
+                     for step, outcome in plain.outcome.items() if outcome == "ok" and sma.outcome.get(step) != "ok"]
+        if "test" in plain.accuracy and "test" in sma.accuracy:
+            gap = 100 * (plain.accuracy["test"] - sma.accuracy["test"])
+            if gap > args.require_within:
+                problems.append(f"{name}: SMA's test accuracy {sma.accuracy['test']:.4f} is {gap:.1f} points below "
+                                f"plain Keras's {plain.accuracy['test']:.4f} (allowed {args.require_within:g})")
+    for problem in problems:
+        print(f"keras_io_examples: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"keras_io_examples: every step that runs in plain Keras runs with SMA, and SMA is within "
+              f"{args.require_within:g} points of plain Keras on every classifier")
+    return 1 if problems else 0
 
 
 def _short(outcome):
