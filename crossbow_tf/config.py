@@ -7,6 +7,7 @@ import typing
 
 import yaml
 
+from crossbow_tf.algorithms import noise_matching as why
 from crossbow_tf.errors import ConfigError, ConfigTypeError
 
 # Seeds go to NumPy's legacy seeding (keras.utils.set_random_seed), which takes [0, 2**32).
@@ -254,12 +255,11 @@ def noise_matching_excluded(c):
     """Why noise matching does not apply to C's learners, or None when it does."""
     a = c.algorithm
     if c.optimizer is None or str(c.optimizer.get("name", "")).lower() == "sgd":
-        return "it applies to an adaptive optimizer (optimizer: {name: adam, ...}); SGD's step is linear in the " \
-               "gradient, so the learners' mean step is already one step at the global batch"
+        return f"it applies to an adaptive optimizer (optimizer: {{name: adam, ...}}); {why.LINEAR}"
     if a.name == "ssgd":
-        return "it applies to averaging rules; synchronous SGD already steps z with the global batch's gradient"
+        return f"it applies to averaging rules; {why.AT_CENTER}"
     if (a.sync_period or 1) != 1 or (a.period or 1) != 1 or a.local_after_epochs is not None:
-        return "it needs the learners' steps of every iteration, and this rule does not synchronise every iteration"
+        return why.PERIODIC
     return None
 
 

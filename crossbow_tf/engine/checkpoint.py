@@ -165,7 +165,7 @@ class Checkpoints:
             groups["loss_scale"] = [e.loss_scale, e.good_steps]
         if e.noise_decay is not None:
             # Noise matching's running means, the same on every device and worker, like z.
-            groups["noise_statistics"] = [e.learner_square, e.global_square]
+            groups["noise_statistics"] = [e.noise_variables(d) for d in range(e.strategy.num_devices)]
         self.checkpoint = tf.train.Checkpoint(
             center=e.center, center_velocity=e.center_velocity, center_states=e.center_states,
             record=self._record, **groups)
@@ -252,8 +252,7 @@ class Checkpoints:
     def _receive_from_chief(self):
         """The chief's z, u and every worker's learners as it restored them: each worker keeps its own."""
         e, cluster = self.engine, self.cluster
-        shared = lambda d: (e.center[d] + e.center_velocity[d] + e.center_states[d]  # noqa: E731
-                            + (e.learner_square[d] + e.global_square[d] if e.noise_decay is not None else []))
+        shared = lambda d: e.center[d] + e.center_velocity[d] + e.center_states[d] + e.noise_variables(d)  # noqa: E731
         center = shared(0)
         learners = [self._local] + self._others if self.writes else [self._local] * cluster.num_workers
         arrays = cluster.broadcast_from_chief([v.numpy() for v in center + [v for w in learners for v in w]])

@@ -531,6 +531,10 @@ class Engine:
             self._reset_fn()
         return loss_sum
 
+    def noise_variables(self, d):
+        """Device D's noise-matching statistics (none when it is off), the same on every device."""
+        return self.learner_square[d] + self.global_square[d] if self.noise_decay is not None else []
+
     def _match_noise(self, d, sums):
         """Noise matching on device D from the iteration's reduced SUMS (the learners' steps, weighted
         gradients, weighted square gradients)."""

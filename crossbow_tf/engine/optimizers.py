@@ -17,6 +17,8 @@ written into the clone's learning-rate variable before its update.
 import keras
 import tensorflow as tf
 
+from crossbow_tf.algorithms import noise_matching as why
+
 # Keras optimizers whose update of a weight reads only that weight's own elements.
 ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in (
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl"))
@@ -146,11 +148,8 @@ def check_noise_matching(optimizer, rule):
     """Raises ValueError unless noise matching applies: an adaptive Keras OPTIMIZER for the learners
     of an averaging RULE."""
     if optimizer is None or isinstance(optimizer, keras.optimizers.SGD):
-        raise ValueError("noise matching applies to an adaptive optimizer (Adam, RMSprop, ...): SGD's step is "
-                         "linear in the gradient, so the learners' mean step is already one step at the global batch")
+        raise ValueError(f"noise matching applies to an adaptive optimizer (Adam, RMSprop, ...): {why.LINEAR}")
     if rule.gradient_at_center:
-        raise ValueError("noise matching applies to averaging rules: synchronous SGD already steps z with the "
-                         "global batch's gradient")
+        raise ValueError(f"noise matching applies to averaging rules: {why.AT_CENTER}")
     if rule.synchronisation_period != 1 or getattr(rule, "local_after_epochs", None) is not None:
-        raise ValueError("noise matching needs the learners' steps of every iteration, and this rule does not "
-                         "synchronise every iteration (a sync period or local_after_epochs)")
+        raise ValueError(f"noise matching: {why.PERIODIC} (a sync period or local_after_epochs)")

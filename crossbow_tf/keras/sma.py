@@ -203,10 +203,12 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
         Noise matching (below) is what keeps z at plain Keras's pace: a fixed sqrt(k) here lets every
         learner walk further on its own noisy gradient and destabilises a rate at its edge
         (docs/keras.md has the figures).
-      noise_matching: "auto" (default): on for an adaptive optimizer's learners under an averaging rule,
-        off for SGD (linear, already matched) and for "ssgd". On, every learner's step is scaled per
-        coordinate by sqrt(E[g_b^2] / E[g_B^2]) (between 1 and sqrt(k)), estimated from the learners'
-        own gradients, so that their mean step is the optimizer's step at the global batch B
+      noise_matching: "auto" (default): on for an adaptive optimizer's learners under an averaging rule
+        that synchronises every iteration, off for SGD (linear, already matched), for "ssgd" and for a
+        sync period. On, after each iteration z and every learner move on by (f - 1) times the
+        learners' mean step, f = sqrt(E[g_b^2] / E[g_B^2]) per coordinate (between 1 and sqrt(k))
+        estimated from the learners' own gradients, so that z advances one optimizer step at the
+        global batch B while the learners' distances to z stay the rule's
         (crossbow_tf.algorithms.noise_matching, docs/keras.md). True: on (refused where it does not
         apply); False: the learners take exactly the compiled optimizer's steps.
     """
@@ -583,8 +585,8 @@ class CrossbowTraining:
                     engine.states[d][i].assign(np.stack([s] * m))
         if engine.optimizers is not None:
             engine.optimizers.restart()
-        for statistic in engine.learner_square + engine.global_square:   # noise matching's, of the old weights
-            for v in statistic:
+        for d in range(self.strategy.num_devices):   # noise matching's statistics, of the old weights
+            for v in engine.noise_variables(d):
                 v.assign(tf.zeros_like(v))
         self.previous_lr.assign(0.0)
         return True
@@ -600,7 +602,7 @@ class CrossbowTraining:
         """Every variable of the learners and z (all devices), in a fixed order."""
         e = self._require_engine()
         groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states, e.optimizer_states,
-                  e.learner_square, e.global_square)
+                  [e.noise_variables(d) for d in range(self.strategy.num_devices)])
         return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
 
     def save_state(self, path):
