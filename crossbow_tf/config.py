@@ -7,7 +7,6 @@ import typing
 
 import yaml
 
-from crossbow_tf.algorithms import noise_matching as why
 from crossbow_tf.errors import ConfigError, ConfigTypeError
 
 # Seeds go to NumPy's legacy seeding (keras.utils.set_random_seed), which takes [0, 2**32).
@@ -251,15 +250,25 @@ def _validate_optimizer(c):
                           f"{name} takes its own step: give optimizer.weight_decay instead")
 
 
+# Why noise matching does not apply, said here for the config and by the engine for Keras objects
+# (crossbow_tf.engine.optimizers.check_noise_matching); here, not in crossbow_tf.algorithms, because
+# the baselines load the config and none of the engine.
+NOISE_MATCHING_LINEAR = ("SGD's step is linear in the gradient, so the learners' mean step is already one step at "
+                         "the global batch")
+NOISE_MATCHING_AT_CENTER = "synchronous SGD already steps z with the global batch's gradient"
+NOISE_MATCHING_PERIODIC = ("it needs the learners' steps of every iteration, and this rule does not synchronise "
+                           "every iteration")
+
+
 def noise_matching_excluded(c):
     """Why noise matching does not apply to C's learners, or None when it does."""
     a = c.algorithm
     if c.optimizer is None or str(c.optimizer.get("name", "")).lower() == "sgd":
-        return f"it applies to an adaptive optimizer (optimizer: {{name: adam, ...}}); {why.LINEAR}"
+        return f"it applies to an adaptive optimizer (optimizer: {{name: adam, ...}}); {NOISE_MATCHING_LINEAR}"
     if a.name == "ssgd":
-        return f"it applies to averaging rules; {why.AT_CENTER}"
+        return f"it applies to averaging rules; {NOISE_MATCHING_AT_CENTER}"
     if (a.sync_period or 1) != 1 or (a.period or 1) != 1 or a.local_after_epochs is not None:
-        return why.PERIODIC
+        return NOISE_MATCHING_PERIODIC
     return None
 
 

@@ -25,11 +25,6 @@ The functions are pure and elementwise: NumPy arrays or TensorFlow tensors, one 
 """
 import numpy as np
 
-# Why noise matching does not apply, said by the engine and by the config (which has no Keras objects).
-LINEAR = "SGD's step is linear in the gradient, so the learners' mean step is already one step at the global batch"
-AT_CENTER = "synchronous SGD already steps z with the global batch's gradient"
-PERIODIC = "it needs the learners' steps of every iteration, and this rule does not synchronise every iteration"
-
 
 def _math(x):
     if isinstance(x, (np.ndarray, np.generic, float, int)):

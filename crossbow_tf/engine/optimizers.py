@@ -17,7 +17,7 @@ written into the clone's learning-rate variable before its update.
 import keras
 import tensorflow as tf
 
-from crossbow_tf.algorithms import noise_matching as why
+from crossbow_tf.config import NOISE_MATCHING_AT_CENTER, NOISE_MATCHING_LINEAR, NOISE_MATCHING_PERIODIC
 
 # Keras optimizers whose update of a weight reads only that weight's own elements.
 ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in (
@@ -148,8 +148,8 @@ def check_noise_matching(optimizer, rule):
     """Raises ValueError unless noise matching applies: an adaptive Keras OPTIMIZER for the learners
     of an averaging RULE."""
     if optimizer is None or isinstance(optimizer, keras.optimizers.SGD):
-        raise ValueError(f"noise matching applies to an adaptive optimizer (Adam, RMSprop, ...): {why.LINEAR}")
+        raise ValueError(f"noise matching applies to an adaptive optimizer (Adam, RMSprop, ...): {NOISE_MATCHING_LINEAR}")
     if rule.gradient_at_center:
-        raise ValueError(f"noise matching applies to averaging rules: {why.AT_CENTER}")
+        raise ValueError(f"noise matching applies to averaging rules: {NOISE_MATCHING_AT_CENTER}")
     if rule.synchronisation_period != 1 or getattr(rule, "local_after_epochs", None) is not None:
-        raise ValueError(f"noise matching: {why.PERIODIC} (a sync period or local_after_epochs)")
+        raise ValueError(f"noise matching: {NOISE_MATCHING_PERIODIC} (a sync period or local_after_epochs)")
