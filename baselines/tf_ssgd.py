@@ -40,6 +40,7 @@ import time
 
 from baselines import _cli
 from baselines._cli import parse_tf_ssgd_options
+from crossbow_tf.device_choice import choose_devices, reduction_problem
 from crossbow_tf.errors import ConfigError, TrainingDiverged
 
 PROG = "python -m baselines.tf_ssgd"
@@ -73,6 +74,9 @@ def make_strategy(devices, reduction):
     import tensorflow as tf
     if len(devices) == 1:
         return None
+    problem = reduction_problem(reduction, len(devices))
+    if problem:
+        raise ConfigError(problem)
     ops = {"auto": None,   # TensorFlow's own choice
            "nccl": tf.distribute.NcclAllReduce,
            "one_device": tf.distribute.ReductionToOneDevice,
