@@ -97,3 +97,40 @@ def _tensorflow_gpu_count():
         return int(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# In the training process (TensorFlow loads here, on first call): the choice applied.
+
+
+def physical_gpus():
+    """The physical GPUs TensorFlow sees (call before TensorFlow runs anything)."""
+    import tensorflow as tf
+    return tf.config.list_physical_devices("GPU")
+
+
+def apply_choice(choice, split_cpu):
+    """The logical device names CHOICE trains on; SPLIT_CPU(n) splits the CPU (and may start a cluster)
+    when the choice asks for logical CPU devices."""
+    import tensorflow as tf
+    if choice.logical_cpu:
+        split_cpu(choice.logical_cpu)
+    names = [d.name for d in tf.config.list_logical_devices(choice.device_type)]
+    # Without a split, one CPU device: the CPU may have been split for other uses in this process.
+    return names if choice.device_type == "GPU" or choice.logical_cpu else names[:1]
+
+
+def device_line(names, reduction=None):
+    """The start line's device part for NAMES (this process's devices): the device type, the GPUs'
+    model names (from TensorFlow's device details) and whether CPU devices are logical ones."""
+    import tensorflow as tf
+    device_type = "GPU" if names and all("GPU" in n.upper() for n in names) else "CPU"
+    descriptions = []
+    if device_type == "GPU":
+        for gpu in tf.config.list_physical_devices("GPU"):
+            try:
+                descriptions.append(tf.config.experimental.get_device_details(gpu).get("device_name"))
+            except (ValueError, RuntimeError):
+                pass
+    logical = device_type == "CPU" and len(tf.config.list_logical_devices("CPU")) > 1
+    return describe_devices(device_type, names, descriptions, reduction, logical=logical)

@@ -78,3 +78,83 @@ def test_hierarchical_copy_on_an_odd_device_count_is_refused_in_one_line(cpu_dev
     with pytest.raises(ConfigError, match="hierarchical_copy needs an even number"):
         make_strategy(cpu_devices[:3], "hierarchical_copy")
     assert reduction_problem("hierarchical_copy", 1) is None and reduction_problem("hierarchical_copy", 8) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# One meaning for the device count.
+
+GPU_LISTS = [[], ["/physical_device:GPU:0"], [f"/physical_device:GPU:{i}" for i in range(8)]]
+
+
+@pytest.mark.parametrize("gpus", GPU_LISTS, ids=lambda g: f"{len(g)}gpu")
+@pytest.mark.parametrize("logical_cpu", [None, 2])
+def test_device_choice_uses_every_gpu_else_the_logical_cpu_split(gpus, logical_cpu):
+    choice = choose_devices(gpus, logical_cpu)
+    if gpus:
+        assert (choice.device_type, choice.count, choice.logical_cpu) == ("GPU", len(gpus), None)
+        assert (choice.note is None) == (logical_cpu is None)
+        if logical_cpu:
+            assert choice.note == (f"devices.logical_cpu: 2 applies to machines without GPUs; this one trains on "
+                                   f"its {len(gpus)} visible GPU(s) (choose them with CUDA_VISIBLE_DEVICES)")
+    else:
+        assert (choice.device_type, choice.count, choice.logical_cpu, choice.note) == (
+            "CPU", logical_cpu or 1, logical_cpu, None)
+
+
+@pytest.mark.parametrize("gpus", GPU_LISTS, ids=lambda g: f"{len(g)}gpu")
+def test_the_harness_plans_k_with_the_devices_the_trial_gets(gpus):
+    from crossbow_tf.compare.plan import planned_shape
+    exp = {"devices": {"logical_cpu": 2}, "learners_per_device": 4, "batch_size": 16}
+    devices = len(gpus) or 2
+    assert planned_shape("sma", exp, gpus) == (devices * 4, devices * 64)
+    assert planned_shape("tf_ssgd", exp, gpus) == (devices, devices * 16)
+    assert planned_shape("sma", dict(exp, learners_per_device="auto"), gpus) == (None, None)
+
+
+def test_visible_gpus_follow_cuda_visible_devices_and_ask_tensorflow_without_nvidia_smi(monkeypatch):
+    assert visible_gpu_ids({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert visible_gpu_ids({"CUDA_VISIBLE_DEVICES": ""}) == [] == visible_gpu_ids({"CUDA_VISIBLE_DEVICES": "-1"})
+    assert visible_gpu_ids({"CUDA_VISIBLE_DEVICES": "0,-1,1"}) == ["0"]   # CUDA stops at an invalid id
+    from crossbow_tf import device_choice
+    from crossbow_tf.compare import trials
+    monkeypatch.setattr(device_choice.shutil, "which", lambda name: None)
+    monkeypatch.setattr(device_choice, "_tensorflow_gpu_count", lambda: 2)   # a GPU machine without nvidia-smi
+    assert visible_gpu_ids({}) == ["0", "1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    slots = trials.make_slots(2)
+    assert [s.env for s in slots] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_trial(tmp_path_factory):
+    from crossbow_tf.compare.spec import run_config
+    folder = tmp_path_factory.mktemp("trial")
+    rng = np.random.default_rng(0)
+    np.savez(folder / "tiny.npz", x_train=rng.random((64, 28, 28, 1), dtype=np.float32),
+             y_train=rng.integers(0, 10, 64), x_test=rng.random((32, 28, 28, 1), dtype=np.float32),
+             y_test=rng.integers(0, 10, 32))
+    experiment = dict(name="tiny", model="lenet", data={"name": "npz", "path": str(folder / "tiny.npz")},
+                      devices={"logical_cpu": 2}, learners_per_device=1, batch_size=8, eval_batch_size=32,
+                      learning_rate={"base": 0.05})
+    exp, options = run_config(experiment, {}, "sma", {}, seed=0, target=0.99, epochs=1, where="test")
+    return folder, exp, options
+
+
+def test_the_harness_refuses_a_trial_given_more_devices_than_planned(tiny_trial):
+    import os
+
+    from crossbow_tf.compare import runner as runner_lib
+    from crossbow_tf.compare.trials import Slot
+    folder, exp, options = tiny_trial
+    out = folder / "report"
+    runner_lib.prepare_out_dir(str(out))
+    runner = runner_lib.Runner(str(out), 2, out=open(os.devnull, "w"))
+    # As planned: no GPU here (conftest empties CUDA_VISIBLE_DEVICES), 2 logical CPUs, k = 2.
+    planned = runner.run("sma", exp, options, "sma", "planned", "planned", 0, 0.99, 300)
+    assert planned.error is None and planned.summary is not None
+    # Planned for the one GPU its slot names; on this machine the trial finds none and trains on
+    # the 2 logical CPU devices, twice the learners planned, as a trial given 8 GPUs where 1 was meant.
+    more = runner.run("sma", exp, options, "sma", "more", "more", 0, 0.99, 300,
+                      slot=Slot(0, {"CUDA_VISIBLE_DEVICES": "0"}))
+    assert more.summary is None
+    assert more.error == "trained with k=2, global batch 16 on 2 device(s), planned k=1, global batch 8: refused"
