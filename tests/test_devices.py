@@ -152,9 +152,20 @@ def test_the_harness_refuses_a_trial_given_more_devices_than_planned(tiny_trial)
     # As planned: no GPU here (conftest empties CUDA_VISIBLE_DEVICES), 2 logical CPUs, k = 2.
     planned = runner.run("sma", exp, options, "sma", "planned", "planned", 0, 0.99, 300)
     assert planned.error is None and planned.summary is not None
+    # The start line names the devices' type, that they are logical, and the reduction.
+    assert "on 2 x CPU (logical), one_device" in (out / "runs" / "sma" / "planned.log").read_text()
     # Planned for the one GPU its slot names; on this machine the trial finds none and trains on
     # the 2 logical CPU devices, twice the learners planned, as a trial given 8 GPUs where 1 was meant.
     more = runner.run("sma", exp, options, "sma", "more", "more", 0, 0.99, 300,
                       slot=Slot(0, {"CUDA_VISIBLE_DEVICES": "0"}))
     assert more.summary is None
     assert more.error == "trained with k=2, global batch 16 on 2 device(s), planned k=1, global batch 8: refused"
+
+
+def test_start_line_names_the_device_type_models_and_reduction():
+    gpus = [f"/device:GPU:{i}" for i in range(8)]
+    assert describe_devices("GPU", gpus, ["NVIDIA A100-SXM4-80GB"] * 8, "NCCL") == "8 x GPU (NVIDIA A100-SXM4-80GB), NCCL"
+    assert describe_devices("GPU", gpus[:2], ["A", "B"]) == "2 x GPU (A, B)"
+    assert describe_devices("CPU", ["/device:CPU:0", "/device:CPU:1"], (), "one_device", logical=True) == \
+        "2 x CPU (logical), one_device"
+    assert describe_devices("CPU", ["/device:CPU:0"]) == "1 x CPU"
