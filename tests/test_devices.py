@@ -169,3 +169,81 @@ def test_start_line_names_the_device_type_models_and_reduction():
     assert describe_devices("CPU", ["/device:CPU:0", "/device:CPU:1"], (), "one_device", logical=True) == \
         "2 x CPU (logical), one_device"
     assert describe_devices("CPU", ["/device:CPU:0"]) == "1 x CPU"
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine on several devices.
+
+def small_engine(devices, m=1, **kwargs):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)])
+    return Engine(model, LOSS, SMA(), CrossbowStrategy(devices=devices, learners_per_device=m), **kwargs)
+
+
+def toy_batch(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(rows, 6)).astype(np.float32), rng.integers(0, 3, rows).astype(np.int32)
+
+
+def test_each_device_receives_its_own_slice_of_the_batch(cpu_devices):
+    engine = small_engine(cpu_devices[:2], m=3)
+    x, y = toy_batch(24)
+    graph = engine._step.get_concrete_function(tf.constant(x), tf.constant(y), tf.ones([24]), tf.constant(0.1),
+                                               None).graph
+    split = [op for op in graph.get_operations() if op.type == "Unpack" and op.inputs[0].shape[:2] == (2, 3)]
+    assert len(split) == 3 and all("CPU:0" in op.device for op in split)   # x, y and mask, cut on the host
+    # No op on the second device reads the whole batch, as rows (24) or cut into devices (2 x 3 x 4).
+    whole = [tuple(t.shape) for op in graph.get_operations() if op.device.endswith("CPU:1") for t in op.inputs
+             if t.shape.rank and (t.shape[0] == 24 or t.shape[:2] == (2, 3))]
+    assert any(op.device.endswith("CPU:1") for op in graph.get_operations()) and whole == []
+
+
+def test_jit_compile_is_refused_with_nccl(cpu_devices, monkeypatch):
+    strategy = CrossbowStrategy(devices=cpu_devices[:2])
+    monkeypatch.setattr(strategy, "reduction_name", "nccl")   # as on 2 distinct GPUs
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    with pytest.raises(ConfigError, match=r"^jit_compile: the NCCL all-reduce has no XLA kernel"):
+        Engine(model, LOSS, SMA(), strategy, jit_compile=True)
+
+
+def test_xla_failing_on_the_first_step_falls_back_to_the_same_update_without_xla(cpu_devices, capsys):
+    x, y = toy_batch(8)
+    reference = small_engine(cpu_devices[:2], jit_update=False)
+    engine = small_engine(cpu_devices[:2], jit_update=True)
+
+    def no_ptxas(*args):
+        raise tf.errors.InternalError(None, None, "XLA compilation requires ptxas: Couldn't find ptxas")
+    engine._local_update = no_ptxas   # what a GPU without CUDA's ptxas raises at the first launch
+    for i in range(3):
+        for e in (reference, engine):
+            e.train_step(x, y, None, 0.1)
+    assert capsys.readouterr().err.count("note: XLA failed on the first step") == 1
+    assert (engine.jit_update, engine.jit_compile) == (False, False)
+    assert_same_weights(engine.center_weights(), reference.center_weights())
+    other = small_engine(cpu_devices[:2], jit_update=True)
+
+    def not_xla(*args):
+        raise tf.errors.InvalidArgumentError(None, None, "labels out of range")
+    other._local_update = not_xla
+    with pytest.raises(tf.errors.InvalidArgumentError, match="labels out of range"):
+        other.train_step(x, y, None, 0.1)
+
+
+def test_a_checkpoint_of_another_device_count_is_refused(cpu_devices, tmp_path):
+    from crossbow_tf.engine.checkpoint import Checkpoints, Progress
+    from crossbow_tf.errors import CheckpointError
+    x, y = toy_batch(8)
+    engine = small_engine(cpu_devices[:2])
+    engine.train_step(x, y, None, 0.1)
+    path = Checkpoints(str(tmp_path), engine).save(Progress(iteration=1), RunResults("t", env={}))
+    same = Checkpoints(str(tmp_path), small_engine(cpu_devices[:2]))
+    assert same.restore(path, RunResults("t", env={})).iteration == 1
+    fewer = Checkpoints(str(tmp_path), small_engine(cpu_devices[:1]))
+    message = (f"{path}: written by a run on 2 device(s), this one has 1: resume on 2 device(s) "
+               "(devices.logical_cpu, or the GPUs in CUDA_VISIBLE_DEVICES)")
+    with pytest.raises(CheckpointError) as e:
+        fewer.restore(path, RunResults("t", env={}))
+    assert str(e.value) == message
+    with pytest.raises(CheckpointError) as e:
+        fewer.restore_newest(RunResults("t", env={}), log=lambda *a: None)
+    assert str(e.value) == message
