@@ -40,32 +40,35 @@ import time
 
 from baselines import _cli
 from baselines._cli import parse_tf_ssgd_options
+from crossbow_tf.device_choice import choose_devices, device_line, reduction_problem
 from crossbow_tf.errors import ConfigError, TrainingDiverged
 
 PROG = "python -m baselines.tf_ssgd"
 
 
-def select_devices(logical_cpu):
+def select_devices(logical_cpu, log=print):
     """Device names to train on; splits the CPU first when asked (before TensorFlow runs anything).
 
-    LOGICAL_CPU=n on a machine without GPUs: n logical CPU devices; otherwise every GPU, else the CPU.
+    As crossbow's runs choose them (crossbow_tf.device_choice): every visible GPU when there is one
+    (LOG gets one line if LOGICAL_CPU is given too), else LOGICAL_CPU logical CPU devices, else the CPU.
     """
     import tensorflow as tf
-    gpus = tf.config.list_physical_devices("GPU")
-    if logical_cpu and not gpus:
+
+    from crossbow_tf.device_choice import apply_choice, physical_gpus
+    choice = choose_devices(physical_gpus(), logical_cpu)
+    if choice.note:
+        log(choice.note)
+
+    def split(n):
         cpu = tf.config.list_physical_devices("CPU")[0]
         try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(logical_cpu)])
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
         except RuntimeError:
             have = len(tf.config.list_logical_devices("CPU"))
-            if have != logical_cpu:
+            if have != n:
                 raise ConfigError(f"TensorFlow was already initialised with {have} logical CPU device(s); "
-                                  f"{logical_cpu} were asked for") from None
-        return [d.name for d in tf.config.list_logical_devices("CPU")]
-    if gpus:
-        return [d.name for d in tf.config.list_logical_devices("GPU")]
-    return [tf.config.list_logical_devices("CPU")[0].name]
+                                  f"{n} were asked for") from None
+    return apply_choice(choice, split)
 
 
 def make_strategy(devices, reduction):
@@ -73,6 +76,9 @@ def make_strategy(devices, reduction):
     import tensorflow as tf
     if len(devices) == 1:
         return None
+    problem = reduction_problem(reduction, len(devices))
+    if problem:
+        raise ConfigError(problem)
     ops = {"auto": None,   # TensorFlow's own choice
            "nccl": tf.distribute.NcclAllReduce,
            "one_device": tf.distribute.ReductionToOneDevice,
@@ -285,7 +291,7 @@ def crossbow_modules():
 
 def train(cfg, opts, log=print):
     """Trains CFG with stock TensorFlow S-SGD; returns RunResults (one evaluation per epoch)."""
-    devices = select_devices(cfg.devices.logical_cpu)   # first: it fixes TensorFlow's device list
+    devices = select_devices(cfg.devices.logical_cpu, log)   # first: it fixes TensorFlow's device list
     import keras
     import numpy as np
 
@@ -322,8 +328,8 @@ def train(cfg, opts, log=print):
     test_ds = eval_batches(data.test, cfg.eval_batch_size, data.eval_map)
 
     ops = getattr(strategy.extended, "_cross_device_ops", None) if strategy is not None else None
-    kind = (f"MirroredStrategy over {replicas} devices ({type(ops).__name__ if ops else 'default reduction'})"
-            if strategy is not None else f"one device, no strategy ({devices[0]})")
+    kind = (f"MirroredStrategy over {replicas} devices ({device_line(devices, type(ops).__name__ if ops else 'default reduction')})"
+            if strategy is not None else f"one device, no strategy ({device_line(devices)}: {devices[0]})")
     log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
         f"stock TensorFlow S-SGD: {kind}, Keras fit + {describe_optimizer(cfg)}, "
         f"batch {cfg.batch_size} per device (global {global_batch}), peak lr {schedule.peak:.4g}"

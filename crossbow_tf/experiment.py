@@ -5,7 +5,7 @@ import time
 
 from crossbow_tf.algorithms import ALGORITHMS
 from crossbow_tf.distribute import CrossbowStrategy
-from crossbow_tf.distribute.devices import default_devices, split_cpu, start_cluster
+from crossbow_tf.distribute.devices import split_cpu, start_cluster
 from crossbow_tf.errors import ConfigError
 
 
@@ -53,19 +53,20 @@ def make_optimizer(cfg):
         raise ConfigError(f"optimizer: {e}") from None
 
 
-def make_devices(cfg, cluster=None):
+def make_devices(cfg, cluster=None, log=print):
     """CFG's device names (splitting the CPU first when asked); call before TensorFlow runs anything.
 
-    With a multi-worker CLUSTER this starts the worker's server and waits for the other workers."""
-    import tensorflow as tf
-    if cfg.devices.logical_cpu and not tf.config.list_physical_devices("GPU"):
-        split_cpu(cfg.devices.logical_cpu, cluster)
-    else:
+    Every visible GPU when there is one, else devices.logical_cpu logical CPU devices
+    (crossbow_tf.device_choice, as the baselines and the harness's plans count them); LOG gets one
+    line when logical_cpu is given on a GPU machine. With a multi-worker CLUSTER this starts the
+    worker's server and waits for the other workers."""
+    from crossbow_tf.device_choice import apply_choice, choose_devices, physical_gpus
+    choice = choose_devices(physical_gpus(), cfg.devices.logical_cpu)
+    if choice.note:
+        log(choice.note)
+    if not choice.logical_cpu:
         start_cluster(cluster)
-    if not cfg.devices.logical_cpu:
-        return default_devices()
-    return [d.name for d in tf.config.list_logical_devices(
-        "GPU" if tf.config.list_physical_devices("GPU") else "CPU")]
+    return apply_choice(choice, lambda n: split_cpu(n, cluster))
 
 
 def make_strategy(cfg, devices=None, learners_per_device=None, cluster=None):
@@ -163,7 +164,7 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None
     # Before the devices: a checkpoint that cannot be resumed is refused before TensorFlow starts work.
     # (On several workers only the chief has the checkpoints: it decides once the workers are up.)
     resume_point = find_resume_point(cfg, resume, log) if cfg.checkpoint.dir and cluster is None else None
-    devices = make_devices(cfg, cluster)   # first to touch the devices: it fixes TensorFlow's device list
+    devices = make_devices(cfg, cluster, log)   # first to touch the devices: it fixes TensorFlow's device list
     if cluster is not None:
         log = cluster.log_function(log)
         with cluster.guard():
@@ -221,11 +222,11 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
         f"{engine.algorithm.name} with k={strategy.num_learners} learners "
         f"({_placement(strategy)}), batch {cfg.batch_size} per learner, "
-        f"{per_epoch} iterations per epoch, cross-device reduction: {strategy.reduction_name}"
+        f"{per_epoch} iterations per epoch, on {_device_line(strategy)}"
         f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision}'}"
         f"{f', noise matching (decay {engine.noise_decay:g})' if engine.noise_decay is not None else ''}")
     results = RunResults(engine.algorithm.name, to_dict(cfg), devices=strategy.devices,
-                         num_learners=strategy.num_learners)
+                         num_learners=strategy.num_learners, global_batch=global_batch)
     if cluster is not None:
         results.extra["workers"] = cluster.num_workers
     if tuning is not None:
@@ -258,6 +259,12 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     if cfg.target_accuracy is not None:
         log(results.target_summary(cfg.target_accuracy))
     return results
+
+
+def _device_line(strategy):
+    from crossbow_tf.device_choice import device_line
+    reduction = {"none": None, "nccl": "NCCL"}.get(strategy.reduction_name, strategy.reduction_name)
+    return device_line(strategy.devices, reduction)
 
 
 def _placement(strategy):

@@ -6,6 +6,23 @@ the subset it needs (see `cpu_devices`).
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Before TensorFlow loads: no GPU, so that the suite runs the same on a GPU machine (its processes
+# inherit it too). `pytest -m gpu` (tests/test_gpu.py) keeps the GPUs.
+import sys  # noqa: E402
+
+
+def _gpu_tests_asked(argv):
+    """Whether ARGV selects the gpu marker (-m gpu, -m "gpu and not slow", -mgpu)."""
+    for i, arg in enumerate(argv):
+        expression = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else ""
+        if "gpu" in expression.replace("not gpu", ""):
+            return True
+    return False
+
+
+GPU_TESTS = _gpu_tests_asked(sys.argv[1:])
+if not GPU_TESTS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
 
@@ -13,6 +30,16 @@ from crossbow_tf.distribute.devices import split_cpu  # noqa: E402
 
 NUM_TEST_DEVICES = 4
 DEVICES = split_cpu(NUM_TEST_DEVICES)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need a GPU machine: deselected (reported as such) unless -m selects them."""
+    if GPU_TESTS:
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from crossbow_tf.results import EVALUATION_KEYS, format_problems
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED_CROSSBOW = ("crossbow_tf.config", "crossbow_tf.data", "crossbow_tf.models", "crossbow_tf.results",
                     "crossbow_tf.errors", "crossbow_tf.cli", "crossbow_tf.files",   # cli, files: argument and output helpers
-                    "crossbow_tf.tensorboard")   # --tensorboard: tf.summary of the evaluations
+                    "crossbow_tf.tensorboard",   # --tensorboard: tf.summary of the evaluations
+                    "crossbow_tf.device_choice")   # the devices a run trains on, as the engine's runs choose them
 ENGINE_PARTS = ("crossbow_tf.engine", "crossbow_tf.distribute", "crossbow_tf.algorithms", "crossbow_tf.keras",
                 "crossbow_tf.experiment")
 

@@ -39,6 +39,7 @@ import re
 import zlib
 
 from crossbow_tf.compare.spec import LEARNER_METHODS, Series, _need, run_config
+from crossbow_tf.device_choice import choose_devices, visible_gpu_ids
 
 _IN_K = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)?\s*/\s*(k|sqrt\(k\))\s*$")
 
@@ -86,8 +87,27 @@ def count_compare_runs(spec, plan):
     return sum(len(trials) * len(spec.search_seeds) + extra for _, trials in plan)
 
 
-def plan_sweep(spec, experiment, sections):
-    """[(series, global batch, label, point, {seed: (experiment, options)})], every config validated."""
+def trial_devices(experiment, gpus=None):
+    """The devices a trial of EXPERIMENT (a run config) trains on when it is given GPUS (GPU ids;
+    default: the GPUs this process may use), chosen as the trial itself will choose them
+    (crossbow_tf.device_choice): every GPU, else devices.logical_cpu, else 1."""
+    logical_cpu = (experiment.get("devices") or {}).get("logical_cpu")
+    return choose_devices(visible_gpu_ids() if gpus is None else gpus, logical_cpu).count
+
+
+def planned_shape(method, experiment, gpus=None):
+    """(k, global batch) of a run of METHOD with EXPERIMENT given GPUS: learners (engine methods) or
+    replicas (tf_ssgd); None for what the machine decides (learners_per_device: auto)."""
+    per_device = experiment.get("learners_per_device", 1) if method in LEARNER_METHODS else 1
+    if not isinstance(per_device, int) or not isinstance(experiment.get("batch_size"), int):
+        return None, None
+    devices = trial_devices(experiment, gpus)
+    return devices * per_device, devices * per_device * experiment["batch_size"]
+
+
+def plan_sweep(spec, experiment, sections, gpus=None):
+    """[(series, global batch, label, point, {seed: (experiment, options)})], every config validated;
+    GPUS: the GPU ids each trial gets (default: those of this process)."""
     plan = []
     for g in spec.global_batches:
         for i, point in enumerate(expand_grid(spec.ssgd_grid)):
@@ -97,7 +117,7 @@ def plan_sweep(spec, experiment, sections):
                 where = f"sweep.ssgd (global batch {g}, {describe(point)})"
                 exp, opts = run_config(experiment, sections, spec.ssgd_method, overrides, seed=seed,
                                        target=spec.target, epochs=spec.epochs, where=where)
-                devices = exp["devices"]["logical_cpu"] or 1
+                devices = trial_devices(exp, gpus)
                 per = devices * (exp["learners_per_device"] if spec.ssgd_method != "tf_ssgd" else 1)
                 _need(isinstance(per, int) and g % per == 0,
                       f"{where}: global batch {g} is not a multiple of the {per} replicas")
@@ -112,7 +132,7 @@ def plan_sweep(spec, experiment, sections):
                 where = f"sweep.sma (k={k}, {describe(point)})"
                 exp, opts = run_config(experiment, sections, "sma", overrides, seed=seed,
                                        target=spec.target, epochs=spec.epochs, where=where)
-                devices = exp["devices"]["logical_cpu"] or 1
+                devices = trial_devices(exp, gpus)
                 _need(k % devices == 0, f"{where}: k={k} learners do not spread evenly over {devices} devices")
                 exp["learners_per_device"] = k // devices
                 exp["batch_size"] = spec.sma_batch
@@ -164,9 +184,10 @@ def _trial_points(series, g, budget, where):
     return fixed, choose_trials(points, budget, seed=zlib.crc32(f"{series.name}/{g}".encode()))
 
 
-def plan_study(spec, experiment, sections):
+def plan_study(spec, experiment, sections, gpus=None):
     """[Cell] in run order (points in the order given, series in the order written); every run's
-    configuration is built and validated here, before anything runs."""
+    configuration is built and validated here, before anything runs. GPUS: the GPU ids each trial
+    gets (default: those of this process); k counts the devices the trials will really have."""
     cells = []
     seeds = sorted(set(spec.search_seeds) | set(spec.seeds))
     for g in spec.global_batches:
@@ -177,7 +198,7 @@ def plan_study(spec, experiment, sections):
             fixed, points = _trial_points(series, g, spec.budget_at(g), where)
             base, _ = run_config(experiment, sections, series.method, fixed, seed=0, target=spec.target,
                                  epochs=spec.epochs, where=where)
-            devices = base["devices"]["logical_cpu"] or 1
+            devices = trial_devices(base, gpus)
             if series.method in LEARNER_METHODS:
                 per = series.batch_size * devices
                 _need(g % per == 0, f"{where}: {g} is not a multiple of batch_size {series.batch_size} "

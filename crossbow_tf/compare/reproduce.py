@@ -27,7 +27,7 @@ import time
 
 from crossbow_tf.compare import study_report
 from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.plan import count_runs, describe, plan_study
+from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_devices
 from crossbow_tf.compare.report import command_line, copy_config, relative_path, write_json
 from crossbow_tf.compare.runner import PACKAGE_ROOT, machine_info, open_study, run_study, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
@@ -79,7 +79,7 @@ def bench_jobs(spec, cells):
     for cell in cells:
         if cell.series.method == "sma":
             exp = next(iter(cell.trials[0][2].values()))[0]
-            devices = exp["devices"]["logical_cpu"] or 1
+            devices = trial_devices(exp)
             jobs.setdefault((cell.series.batch_size, devices), set()).add(cell.k)
     return [(b, sorted(ks), devices) for (b, devices), ks in sorted(jobs.items())]
 

@@ -173,7 +173,7 @@ class Runner:
             with open(paths["yaml"]) as f:
                 unchanged = same_run(f.read(), text)
         if unchanged and os.path.exists(paths["json"]):
-            record = self._record(label, seed, paths["json"], target, 0.0, None)
+            record = _as_planned(self._record(label, seed, paths["json"], target, 0.0, None), method, experiment, slot)
             if record.summary is not None:
                 self.say(f"{head}: done before, reusing {os.path.relpath(paths['json'], self.out_dir)}")
                 return record
@@ -203,7 +203,7 @@ class Runner:
         duration = time.time() - start
         with self._lock:
             self.durations.append(duration)
-        record = self._record(label, seed, paths["json"], target, duration, load)
+        record = _as_planned(self._record(label, seed, paths["json"], target, duration, load), method, experiment, slot)
         # A run that diverged (exit code 3, its results say where) or collapsed (exit code 5, at chance
         # accuracy) is an outcome, not a failure.
         finished = record.summary is not None and (code == 0 or (code == 3 and record.summary["diverged"])
@@ -308,6 +308,24 @@ class Runner:
         if code != 0 and error is None:
             error = f"exit code {code}: " + next((t for t in reversed(tail) if t.strip()), "")
         return code, error
+
+
+def _as_planned(record, method, experiment, slot):
+    """RECORD, refused (summary None, one line) when its run trained with another k or global batch
+    than planned for the devices its SLOT gives it (say, every GPU where a logical CPU split was meant)."""
+    if record.summary is None:
+        return record
+    from crossbow_tf.compare.plan import planned_shape
+    k, global_batch = planned_shape(method, experiment, trials_lib.slot_gpus(slot))
+    with open(record.path) as f:
+        data = json.load(f)
+    got = (data.get("num_learners"), data.get("global_batch"))
+    # Results name their global batch since issue 30 (older ones, and stand-ins of tests, are not checked).
+    if k is not None and "global_batch" in data and got != (k, global_batch):
+        record.summary = None
+        record.error = (f"trained with k={got[0]}, global batch {got[1]} on {len(data.get('devices') or [])} "
+                        f"device(s), planned k={k}, global batch {global_batch}: refused")
+    return record
 
 
 def _clock(seconds):

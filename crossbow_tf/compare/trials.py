@@ -20,9 +20,7 @@ import dataclasses
 import hashlib
 import os
 import random
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import warnings
@@ -31,6 +29,7 @@ import optuna
 from optuna.storages import fail_stale_trials
 from optuna.trial import TrialState
 
+from crossbow_tf.device_choice import visible_gpu_ids
 from crossbow_tf.errors import ConfigError
 
 PLAN_ATTR = "crossbow_plan"    # the study's user attribute: the fingerprint of the plan it holds
@@ -305,17 +304,16 @@ class Slot:
 
 
 def visible_gpus():
-    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g for g in env.split(",") if g.strip() and g.strip() != "-1"]
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-            return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
-        except (OSError, subprocess.SubprocessError):
-            return []
-    return []
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list, else
+    (no nvidia-smi on PATH) TensorFlow's own, so that --parallel never hides GPUs it did not see."""
+    return visible_gpu_ids()
+
+
+def slot_gpus(slot):
+    """The GPU ids a trial in SLOT gets (None: those of this process)."""
+    if slot is None or "CUDA_VISIBLE_DEVICES" not in slot.env:
+        return None
+    return visible_gpu_ids(environ=slot.env)
 
 
 def make_slots(parallel, gpus_per_trial=None):

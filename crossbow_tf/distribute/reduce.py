@@ -6,10 +6,9 @@ tensor per device across devices and returns the result on every device.
 import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
+from crossbow_tf.device_choice import REDUCTIONS as IMPLEMENTATIONS, reduction_problem
 from crossbow_tf.distribute.devices import gpus_are_distinct_physical
 from crossbow_tf.errors import ConfigError
-
-IMPLEMENTATIONS = ("auto", "nccl", "one_device", "hierarchical_copy")
 
 
 def _ordered_sum(tensors):
@@ -36,6 +35,9 @@ def cross_device_ops_for(devices, implementation="auto"):
                               f"devices are {', '.join(devices)}")
         return "nccl", tf.distribute.NcclAllReduce()
     if implementation == "hierarchical_copy":
+        problem = reduction_problem(implementation, len(devices))
+        if problem:
+            raise ConfigError(problem)
         return "hierarchical_copy", tf.distribute.HierarchicalCopyAllReduce(num_packs=1)
     return "one_device", tf.distribute.ReductionToOneDevice(
         reduce_to_device=devices[0], accumulation_fn=_ordered_sum)

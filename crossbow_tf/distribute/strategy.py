@@ -1,6 +1,6 @@
 """CrossbowStrategy: the devices, the learners on each, and how devices reduce."""
 from crossbow_tf.distribute import cluster as cluster_lib
-from crossbow_tf.distribute.devices import check_device_names, default_devices, split_cpu, start_cluster
+from crossbow_tf.distribute.devices import check_device_names, split_cpu, start_cluster
 from crossbow_tf.distribute.reduce import IMPLEMENTATIONS, cross_device_ops_for
 from crossbow_tf.errors import ConfigError, ConfigTypeError
 
@@ -11,8 +11,10 @@ class CrossbowStrategy:
     Args:
       devices: device names; default every GPU, else the CPU.
       learners_per_device: m, the learners on each device (k = workers * len(devices) * m in all).
-      logical_cpu_devices: split the CPU into this many logical devices and use them all
-        (for machines without accelerators; not together with DEVICES).
+      logical_cpu_devices: split the CPU into this many logical devices and use them all, on a
+        machine without GPUs (not together with DEVICES). Where GPUs are visible every GPU is used,
+        as by ``python -m crossbow_tf.run`` with ``devices.logical_cpu``, and one line on stderr
+        says so.
       cross_device_reduction: "auto" (NCCL between distinct GPUs, else reduce-to-one-device),
         "nccl", "one_device" or "hierarchical_copy".
       cluster_resolver: a tf.distribute.cluster_resolver.ClusterResolver (TFConfig, Slurm,
@@ -58,11 +60,8 @@ class CrossbowStrategy:
                 raise ConfigError("with an explicit device list, start the cluster first "
                                   "(crossbow_tf.distribute.devices.start_cluster)")
             check_device_names(devices)
-        elif logical_cpu_devices:
-            devices = split_cpu(logical_cpu_devices, cluster)
         else:
-            start_cluster(cluster)
-            devices = default_devices()
+            devices = _chosen_devices(logical_cpu_devices, cluster)
         self.devices = devices
         self.learners_per_device = learners_per_device
         self.reduction_name, self.cross_device_ops = cross_device_ops_for(devices, cross_device_reduction)
@@ -110,6 +109,21 @@ class CrossbowStrategy:
 
 # Each logical CPU device has its own thread pools and copies of z; more than this is a typo.
 from crossbow_tf.config import MAX_LOGICAL_CPU_DEVICES  # noqa: E402  (one definition, shared)
+
+
+def _chosen_devices(logical_cpu_devices, cluster):
+    """The devices crossbow_tf.device_choice chooses (every GPU, else the logical CPU split, else the
+    CPU), the cluster started in between."""
+    import sys
+
+    from crossbow_tf.device_choice import apply_choice, choose_devices, physical_gpus
+    choice = choose_devices(physical_gpus(), logical_cpu_devices)
+    if choice.note:
+        print(f"CrossbowStrategy: {choice.note.replace('devices.logical_cpu', 'logical_cpu_devices')}",
+              file=sys.stderr)
+    if not choice.logical_cpu:
+        start_cluster(cluster)
+    return apply_choice(choice, lambda n: split_cpu(n, cluster))
 
 
 def _check_positive_int(name, value, maximum=None):

@@ -192,7 +192,7 @@ class Checkpoints:
                 for variable, values in zip(variables, gathered):
                     variable.assign(values[worker])
         if self.writes:
-            record = dict(self.base_record, format=FORMAT, progress=state,
+            record = dict(self.base_record, format=FORMAT, devices=self.engine.strategy.num_devices, progress=state,
                           results={"evaluations": results.evaluations, "extra": results.extra})
             self._record.assign(json.dumps(json_safe(record)))
             numbers = [int(p.rsplit("-", 1)[1]) for p in self.manager.checkpoints]
@@ -206,8 +206,17 @@ class Checkpoints:
         """Loads the checkpoint at PATH into the engine and RESULTS; returns its Progress (one process;
         on several workers use ``restore_newest``)."""
         record = read_record(path)
+        self._check_devices(path, record)
         self._read(path)
         return self._adopt(path, record, results)
+
+    def _check_devices(self, path, record):
+        """Refuses a checkpoint of another device count: its per-device variables would be read in
+        part (TensorFlow leaves a checkpoint's extra objects unread) and its learners lost."""
+        saved, have = record.get("devices"), self.engine.strategy.num_devices
+        if saved is not None and saved != have:
+            raise CheckpointError(f"{path}: written by a run on {saved} device(s), this one has {have}: resume on "
+                                  f"{saved} device(s) (devices.logical_cpu, or the GPUs in CUDA_VISIBLE_DEVICES)")
 
     def _read(self, path):
         try:
@@ -230,6 +239,12 @@ class Checkpoints:
         for path in checkpoint_paths(self.directory):
             try:
                 record = read_record(path)
+            except CheckpointError as e:
+                problems.append(str(e))
+                log(f"skipping {e}")
+                continue
+            self._check_devices(path, record)   # not a damaged checkpoint: the wrong machine
+            try:
                 self._read(path)
                 return path, record
             except CheckpointError as e:

@@ -1,6 +1,7 @@
 """The compiled training step: k = D x m learners, their update rule and the synchronisation."""
 import math
 import numbers
+import sys
 
 import keras
 import numpy as np
@@ -67,6 +68,24 @@ def _checked_learning_rate(lr):
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"Engine.train_step: lr must be a finite number >= 0, got {value}")
     return value
+
+
+# What XLA raises when it cannot compile (its message names XLA, ptxas or libdevice, or an op it
+# has no kernel for).
+XLA_ERRORS = (tf.errors.InternalError, tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
+              tf.errors.NotFoundError, tf.errors.UnknownError)
+_XLA_WORDS = ("xla", "ptxas", "libdevice", "jit_compile", "must-compile", "unsupported operations")
+
+
+def _is_xla_failure(error):
+    text = str(error).lower()
+    return any(word in text for word in _XLA_WORDS)
+
+
+def _host_of(device):
+    """The CPU of DEVICE's machine (its job and task kept): where the global batch is cut."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
 def _is_float(variable):
@@ -168,8 +187,13 @@ class Engine:
                 from crossbow_tf.errors import ConfigError
                 raise ConfigError("loss scaling (mixed_float16) across several workers is not supported yet: train "
                                   "on one worker, or use mixed_bfloat16 or float32")
+        if jit_compile and strategy.reduction_name == "nccl":
+            from crossbow_tf.errors import ConfigError
+            raise ConfigError("jit_compile: the NCCL all-reduce has no XLA kernel (TensorFlow issue 48502): set "
+                              "jit_compile false (jit_update still compiles the learners' update with XLA)")
         self.model = model
         self.strategy = strategy
+        self._host = _host_of(strategy.devices[0])
         self.algorithm = algorithm.resolve(strategy.num_learners)
         self.reset_on_lr_drop = reset_on_lr_drop and self.algorithm.reset_on_lr_drop
         self._previous_lr = None          # the learning rate of the last train_step
@@ -224,25 +248,12 @@ class Engine:
         # The rest of the step stays un-jitted unless JIT_COMPILE asks: XLA is slower for the
         # convolutions on CPU. No AutoGraph: the step has no tensor-dependent Python control flow,
         # and converting it took 1.2 of its 1.4 s of tracing.
-        self._local_update = tf.function(self._local_update_fn, jit_compile=jit_update, autograph=False)
         # One XLA launch per group of layers rather than one for all weights: a group's update starts
         # as soon as its gradients exist and overlaps backpropagation through the layers below
         # (tools/ab_step.py, LeNet with 8 learners: 25.8 -> 24.6 ms per iteration).
         self._update_groups = _update_groups(model.trainable_variables, m)
         self._central_update = tf.function(self._central_update_fn, autograph=False)
-        self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
-        # The iterations between two synchronisations run a step of their own: the learners' own
-        # updates, with no collective in its graph at all.
-        self._own_update = tf.function(self._own_update_fn, jit_compile=jit_update, autograph=False)
-        self._local_step = tf.function(self._local_step_fn, jit_compile=jit_compile, autograph=False)
-        if self.optimizers is not None:
-            # As the rule's update: memory-bound, so XLA fuses the optimizer's passes over the stacks
-            # (tools/bench_learner_optimizers.py, LeNet with 2 devices x 4 learners of 16, Adam: 49.8
-            # instead of 67.5 ms per iteration; the rule's fused momentum SGD 44.6).
-            self._optimizer_apply = tf.function(self.optimizers.apply, jit_compile=jit_update, autograph=False)
-            self._optimizer_update = tf.function(self._optimizer_update_fn, jit_compile=jit_update,
-                                                 autograph=False)
-            self._noise_update = tf.function(self._noise_update_fn, jit_compile=jit_update, autograph=False)
+        self._build_steps(jit_compile, jit_update)
         self.iteration = 0                # the next train_step's iteration, unless it is given one
         self.iterations_per_epoch = None  # for rules whose period changes after some epochs
         self._reset = tf.function(self._reset_fn, autograph=False)
@@ -263,6 +274,45 @@ class Engine:
                 self.loss_scale = tf.Variable(float(initial_scale), dtype=tf.float32, trainable=False,
                                               name="loss_scale")
                 self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
+
+    def _build_steps(self, jit_compile, jit_update):
+        """The compiled step functions, the learners' updates with XLA when JIT_UPDATE."""
+        self.jit_compile, self.jit_update = jit_compile, jit_update
+        self._xla_checked = not (jit_compile or jit_update)
+        self._local_update = tf.function(self._local_update_fn, jit_compile=jit_update, autograph=False)
+        self._step = tf.function(self._step_fn, jit_compile=jit_compile, autograph=False)
+        # The iterations between two synchronisations run a step of their own: the learners' own
+        # updates, with no collective in its graph at all.
+        self._own_update = tf.function(self._own_update_fn, jit_compile=jit_update, autograph=False)
+        self._local_step = tf.function(self._local_step_fn, jit_compile=jit_compile, autograph=False)
+        if self.optimizers is not None:
+            # As the rule's update: memory-bound, so XLA fuses the optimizer's passes over the stacks
+            # (tools/bench_learner_optimizers.py, LeNet with 2 devices x 4 learners of 16, Adam: 49.8
+            # instead of 67.5 ms per iteration; the rule's fused momentum SGD 44.6).
+            self._optimizer_apply = tf.function(self.optimizers.apply, jit_compile=jit_update, autograph=False)
+            self._optimizer_update = tf.function(self._optimizer_update_fn, jit_compile=jit_update,
+                                                 autograph=False)
+            self._noise_update = tf.function(self._noise_update_fn, jit_compile=jit_update, autograph=False)
+
+    def _first_step(self, step, args):
+        """STEP(*ARGS) of the engine's first iteration: where XLA cannot compile here (on a GPU without
+        ptxas or libdevice, or an op without an XLA kernel) the step runs again without XLA, said in
+        one line. XLA fails as it compiles, at the first launch, before the update it would have run
+        assigns anything (the jitted updates return their values; the callers assign them)."""
+        try:
+            result = step(*args)
+        except XLA_ERRORS as e:
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if not _is_xla_failure(e):
+                raise
+            print(f"note: XLA failed on the first step ({message[:200]}); training without XLA "
+                  "(jit_update and jit_compile off)", file=sys.stderr, flush=True)
+            synchronising = step is self._step
+            self._build_steps(False, False)
+            step = self._step if synchronising else self._local_step
+            result = step(*args)
+        self._xla_checked = True
+        return result
 
     def _learner_states(self, state, is_float, device_index):
         m = self.strategy.learners_per_device
@@ -325,7 +375,8 @@ class Engine:
         iteration = self.iteration if iteration is None else iteration
         self.iteration = iteration + 1
         step = self._step if self.synchronises(iteration) else self._local_step
-        return step(x, y, mask, tf.cast(lr, tf.float32), total_count)
+        args = (x, y, mask, tf.cast(lr, tf.float32), total_count)
+        return step(*args) if self._xla_checked else self._first_step(step, args)
 
     def _checked_batch(self, x, y, mask, local=False):
         k = self.strategy.local_learners if local else self.num_learners
@@ -352,7 +403,7 @@ class Engine:
         return start, start + self.strategy.local_learners * b
 
     def _worker_slices(self, x, y, mask, total_count):
-        """(x, y, mask) of this worker's learners as [D, m, b, ...] and the iteration's real count."""
+        """(x, y, mask) of this worker's learners, per device [m, b, ...], and the iteration's real count."""
         strategy = self.strategy
         D, m = strategy.num_devices, strategy.learners_per_device
         if total_count is None:   # the whole iteration: this worker trains its own rows of it
@@ -361,9 +412,10 @@ class Engine:
                 start, stop = self.local_rows(x.shape[0])
                 x, y, mask = x[start:stop], y[start:stop], mask[start:stop]
         b = x.shape[0] // (D * m)
-        x = tf.reshape(x, [D, m, b] + x.shape[1:].as_list())
-        y = tf.reshape(y, [D, m, b] + y.shape[1:].as_list())
-        mask = tf.reshape(mask, [D, m, b])
+        # Cut on the host, so that each device receives its own slice, not the whole global batch.
+        with tf.device(self._host):
+            x, y, mask = [tf.unstack(tf.reshape(t, [D, m, b] + t.shape[1:].as_list()), axis=0)
+                          for t in (x, y, mask)]
         return x, y, mask, total_count
 
     def _local_step_fn(self, x, y, mask, lr, total_count=None):
@@ -372,7 +424,7 @@ class Engine:
         the reported loss)."""
         strategy = self.strategy
         x, y, mask, total_count = self._worker_slices(x, y, mask, total_count)
-        m, b = strategy.learners_per_device, x.shape[2]
+        m, b = strategy.learners_per_device, x[0].shape[1]
         computed = self._learners_on_devices([[w.read_value() for w in self.weights[d]] for d in range(strategy.num_devices)],
                                              x, y, mask)
 
@@ -397,7 +449,7 @@ class Engine:
             else:
                 # This worker's learners only; a non-finite loss is told to every worker by the next
                 # synchronisation's all-reduce (each worker stops there), not by this worker alone.
-                loss = loss_sum / tf.maximum(tf.reduce_sum(mask), 1.0)
+                loss = loss_sum / tf.maximum(tf.add_n([tf.reduce_sum(part) for part in mask]), 1.0)
                 finite = tf.math.is_finite(loss)
                 self._pending_non_finite.assign(tf.maximum(self._pending_non_finite, 1.0 - tf.cast(finite, tf.float32)))
                 loss = tf.where(finite, loss, tf.zeros_like(loss))
@@ -412,7 +464,7 @@ class Engine:
         strategy, alg = self.strategy, self.algorithm
         m = strategy.learners_per_device
         x, y, mask, total_count = self._worker_slices(x, y, mask, total_count)
-        b = x.shape[2]
+        b = x[0].shape[1]
         weights = []
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
@@ -458,9 +510,13 @@ class Engine:
         if self.loss_scale is None:
             update()
             return None
+        # One boolean per device, computed where its gradients are: D booleans cross devices, not D x m stacks.
+        per_device = []
+        for device, (_, grads, *_) in zip(self.strategy.devices, computed):
+            with tf.device(device):
+                per_device.append(tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads])))
         with tf.device(self.strategy.devices[0]):
-            finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for _, grads, *_ in computed
-                                             for g in grads]))
+            finite = tf.reduce_all(tf.stack(per_device))
 
         def run():
             update()
