@@ -100,6 +100,8 @@ def trial_hparams(method, experiment, options, entry, trial, seed):
     walk("tf_ssgd.", options or {})
     chosen = {k: v for k, v in flat.items()
               if k.startswith("tf_ssgd.") or any(k == p or (p.endswith(".") and k.startswith(p)) for p in HPARAM_KEYS)}
+    if method == "tf_ssgd":   # stock tf.distribute: one replica per device, no averaging rule
+        chosen = {k: v for k, v in chosen.items() if k != "learners_per_device" and not k.startswith("algorithm.")}
     hparams = dict(method=method, entry=entry, trial=trial, seed=seed)
     for key, value in chosen.items():
         hparams[key] = value if isinstance(value, (bool, int, float, str)) else ("null" if value is None else str(value))
