@@ -4,11 +4,13 @@ Imports no TensorFlow (the commands validate everything before it starts).
 """
 import argparse
 import contextlib
+import importlib.util
 import os
 import re
 import sys
 import tempfile
 
+from crossbow_tf.errors import CrossbowError
 from crossbow_tf.files import OutputError
 
 VERBOSE_VARIABLE = "CROSSBOW_TF_VERBOSE"
@@ -80,6 +82,16 @@ def _filtered_stderr(drop):
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
+
+def require_tensorboard(what):
+    """Raises CrossbowError naming WHAT (the flag or key that needs it) unless the tensorboard
+    package can be imported: TensorFlow's tf.summary is TensorBoard's module, so without it a run
+    fails after its first epoch (TBNotInstalledError). A dependency of the package; this is for an
+    environment that lost it."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise CrossbowError(f"{what}: the tensorboard package is not installed, and TensorFlow writes event "
+                            "files with it (pip install tensorboard)")
 
 
 def save_results(results, path, log=print):

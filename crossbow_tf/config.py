@@ -7,6 +7,7 @@ import typing
 
 import yaml
 
+from crossbow_tf.optimizer_args import check_optimizer_arguments
 from crossbow_tf.errors import ConfigError, ConfigTypeError
 
 # Seeds go to NumPy's legacy seeding (keras.utils.set_random_seed), which takes [0, 2**32).
@@ -245,6 +246,7 @@ def _validate_optimizer(c):
     for key in spec:
         if key in OPTIMIZER_SET_ELSEWHERE:
             raise ConfigError(f"optimizer.{key}: {OPTIMIZER_SET_ELSEWHERE[key]}, not the optimizer's")
+    check_optimizer_arguments(spec)   # the optimizer's own signature, before TensorFlow starts
     if name.lower() != "sgd" and c.algorithm.weight_decay:
         raise ConfigError(f"algorithm.weight_decay: is the L2 term of the default momentum-SGD learners; "
                           f"{name} takes its own step: give optimizer.weight_decay instead")

@@ -113,18 +113,25 @@ def check_outputs(args, cfg):
         check_writable(args.results, force=args.force, what="results file")
     if cfg.tensorboard:
         check_logdir(cfg.tensorboard)
+        cli.require_tensorboard("--tensorboard" if args.tensorboard is not None else "tensorboard")
 
 
-def check_data(cfg):
-    """Loads CFG's data set (its files exist and parse), checks that an iteration fits in it and
-    that CFG's model builds for it."""
+def check_data(cfg, build=True):
+    """Loads CFG's data set (its files exist and parse), checks that an iteration fits in it and,
+    with BUILD, that CFG's model builds for it (which starts TensorFlow's runtime, so the real
+    command, whose devices are not made yet, checks the data alone)."""
     from crossbow_tf import config as config_lib
     from crossbow_tf.data import load_dataset
     from crossbow_tf.models import build_model
     data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     config_lib.check_fits_data(cfg, train_size=data.train.size)
-    build_model(cfg.model, data.input_shape, data.num_classes)
+    if build:
+        build_model(cfg.model, data.input_shape, data.num_classes)
     return data
+
+
+def plural(count, noun):
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def run(args, log=print, stop_signals=None):
@@ -145,8 +152,11 @@ def run(args, log=print, stop_signals=None):
     if args.check:
         data = check_data(cfg)
         log(f"{args.config}: valid; {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} "
-            f"test), {cfg.algorithm.name}, batch {cfg.batch_size} per learner, {cfg.epochs} epochs")
+            f"test), {cfg.algorithm.name}, batch {cfg.batch_size} per learner, {plural(cfg.epochs, 'epoch')}")
         return None
+    # The data as --check reads it, so that a data set --check refuses is refused here in the same line
+    # before any device is made (the arrays are read again by the run: a second or two at most).
+    check_data(cfg, build=False)
     from crossbow_tf.experiment import run_experiment
     try:
         results = run_experiment(cfg, log=log, resume=args.resume, stop_signals=stop_signals, cluster=cluster)

@@ -23,7 +23,7 @@ from crossbow_tf.compare.report import (command_line, compare_markdown, copy_con
                                         load_curves, markdown_table, software_line, sweep_markdown, sweep_series,
                                         write_json)
 from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.runner import machine_info, open_study, run_compare, run_sweep, Runner
+from crossbow_tf.compare.runner import check_study, machine_info, open_study, run_compare, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_compare, parse_sweep
 from crossbow_tf.compare.stats import compare_rows, tta_ratio
 from crossbow_tf.errors import ConfigError, CrossbowError
@@ -103,6 +103,7 @@ def compare(argv=None):
         total = count_compare_runs(spec, plan) + (
             len(sweep_plan) * len(sweep_spec.seeds) if sweep_plan else 0)
         if args.dry_run:
+            check_study(args, out)
             for entry, trials in plan:
                 for label, point, _ in trials:
                     print(f"{entry.name} ({entry.method}) {label}: {describe(dict(entry.fixed, **point))}")

@@ -29,7 +29,7 @@ from crossbow_tf.compare import study_report
 from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_devices
 from crossbow_tf.compare.report import command_line, copy_config, relative_path, write_json
-from crossbow_tf.compare.runner import PACKAGE_ROOT, machine_info, open_study, run_study, Runner
+from crossbow_tf.compare.runner import check_study, PACKAGE_ROOT, machine_info, open_study, run_study, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
 from crossbow_tf.errors import ConfigError, CrossbowError
 
@@ -187,6 +187,7 @@ def main(argv=None):
         jobs = bench_jobs(spec, cells)
         total = count_runs(spec, cells) + ("bn" in args.phases)
         if args.dry_run:
+            check_study(args, args.out)
             for cell in cells:
                 for label, point, _ in cell.trials:
                     print(f"{cell.series.name} G={cell.global_batch} k={cell.k} {label}: {describe(point)}")

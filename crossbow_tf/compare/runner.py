@@ -26,6 +26,7 @@ import time
 import yaml
 
 import crossbow_tf
+from crossbow_tf import cli
 from crossbow_tf.compare import trials as trials_lib
 from baselines import METHODS
 from baselines._cli import parse_tf_ssgd_options, split_sections
@@ -99,6 +100,8 @@ def trial_hparams(method, experiment, options, entry, trial, seed):
     walk("tf_ssgd.", options or {})
     chosen = {k: v for k, v in flat.items()
               if k.startswith("tf_ssgd.") or any(k == p or (p.endswith(".") and k.startswith(p)) for p in HPARAM_KEYS)}
+    if method == "tf_ssgd":   # stock tf.distribute: one replica per device, no averaging rule
+        chosen = {k: v for k, v in chosen.items() if k != "learners_per_device" and not k.startswith("algorithm.")}
     hparams = dict(method=method, entry=entry, trial=trial, seed=seed)
     for key, value in chosen.items():
         hparams[key] = value if isinstance(value, (bool, int, float, str)) else ("null" if value is None else str(value))
@@ -141,7 +144,6 @@ class Runner:
         self.study = None                  # the trials.Study of the last loop
         self.done, self.started = 0, time.time()
         self.durations = []
-        self._said_no_tensorboard = False
         self._lock = threading.RLock()
 
     def say(self, line):
@@ -229,14 +231,8 @@ class Runner:
         return f" [{subdir}/{name}]" if self.side_by_side() > 1 else ""
 
     def _write_hparams(self, logdir, hparams, group):
-        try:
-            from crossbow_tf.tensorboard import write_hparams
-            write_hparams(logdir, hparams, group)
-        except ImportError:   # tensorboard is not a dependency of training; say it once
-            if not self._said_no_tensorboard:
-                self.say("note: the tensorboard package is not installed: runs write their curves, but "
-                         "no hparams (pip install tensorboard)")
-                self._said_no_tensorboard = True
+        from crossbow_tf.tensorboard import write_hparams   # its package: checked by open_study
+        write_hparams(logdir, hparams, group)
 
     def _record(self, label, seed, path, target, duration, load):
         record = RunRecord(label, seed, path, duration=duration, load_before=load)
@@ -333,11 +329,22 @@ def _clock(seconds):
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def check_study(args, out):
+    """What open_study checks that needs nothing opened nor written (the --dry-run's checks): the
+    flags, the tensorboard package, the --storage URL and its folder; returns trials.Options."""
+    study = trials_lib.options(args, out)
+    cli.require_tensorboard("every run's TensorBoard events")
+    if study.storage:
+        trials_lib.check_storage(study.storage)
+    return study
+
+
 def open_study(args, out):
     """The study's storage options (trials.options) for the command's ARGS, with report directory
     OUT made ready for it (prepare_out_dir); --force without --resume also forgets the storage's
     old trials."""
-    study = trials_lib.options(args, out)
+    study = check_study(args, out)
+    trials_lib.open_given_storage(study)   # before the report directory is made
     prepare_out_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))
     if args.force and not args.resume:
         trials_lib.forget(study)

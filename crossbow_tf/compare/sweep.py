@@ -20,7 +20,7 @@ from crossbow_tf.compare.plots import plot_sweep
 from crossbow_tf.compare.report import (command_line, copy_config, header_markdown, markdown_table,
                                         software_line, sweep_markdown, sweep_series, write_json)
 from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.runner import machine_info, open_study, run_sweep, Runner
+from crossbow_tf.compare.runner import check_study, machine_info, open_study, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_sweep
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.files import atomic_write_text
@@ -100,6 +100,7 @@ def sweep(argv=None):
         out = args.out or os.path.join("reports", experiment.get("name", "experiment") + "-sweep")
         total = len(plan) * len(spec.seeds)
         if args.dry_run:
+            check_study(args, out)
             for series, g, label, point, _ in plan:
                 print(f"{series} global batch {g} {label}: {describe(point)}")
             print(f"{total} runs")

@@ -63,6 +63,48 @@ def default_storage(out_dir):
     return f"sqlite:///{os.path.abspath(os.path.join(out_dir, STORAGE_FILE))}"
 
 
+STORAGE_FORMS = "sqlite:///FILE, a database URL (postgresql://, mysql://) or journal:FILE"
+
+
+def check_storage(url):
+    """Raises ConfigError (one line naming --storage) unless URL is a storage Optuna can open: its
+    form, its database driver and, for a file (SQLite, journal), its folder. Nothing is created."""
+    if url.startswith("journal:"):
+        _check_storage_file(url, url[len("journal:"):], makes_folder=True)
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+    try:
+        parsed = make_url(url)
+        parsed.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError):
+        raise ConfigError(f"--storage {url}: not a storage URL ({STORAGE_FORMS})") from None
+    except ImportError as e:   # a known database whose driver is not installed
+        raise ConfigError(f"--storage {url}: its database driver is not installed ({e.name or e})") from None
+    if parsed.get_backend_name() == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise ConfigError(f"--storage {url}: an SQLite storage needs a file (sqlite:///FILE)")
+        _check_storage_file(url, parsed.database, makes_folder=False)
+
+
+def _check_storage_file(url, path, makes_folder):
+    """The storage file PATH of URL is a file, or one can be created (its folder exists, unless
+    MAKES_FOLDER: the nearest existing one is writable)."""
+    if not path:
+        raise ConfigError(f"--storage {url}: names no file")
+    if os.path.isdir(path):
+        raise ConfigError(f"--storage {url}: {path} is a directory; give a file")
+    folder = os.path.dirname(path) or "."
+    if makes_folder:
+        while not os.path.exists(folder) and os.path.dirname(os.path.abspath(folder)) != os.path.abspath(folder):
+            folder = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(folder):
+        what = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise ConfigError(f"--storage {url}: the folder {folder} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK) and not os.path.exists(path):
+        raise ConfigError(f"--storage {url}: no permission to create a file in {folder}")
+
+
 def open_storage(url, heartbeat=DEFAULT_HEARTBEAT):
     """An Optuna storage for URL: a database URL (sqlite:///file, mysql://, postgresql://) with the
     heartbeat and the retry of dead workers' trials, or ``journal:PATH`` (Optuna's journal file on a
@@ -384,11 +426,26 @@ def options(args, out):
         raise ConfigError("--worker joins the study of a shared --storage URL; pass --storage")
     if args.worker and getattr(args, "force", False):
         raise ConfigError("--worker cannot be combined with --force (a worker never empties the report directory)")
-    if args.parallel < 1 or args.heartbeat < 1 or (args.gpus_per_trial is not None and args.gpus_per_trial < 1):
-        raise ConfigError("--parallel, --heartbeat and --gpus-per-trial must be at least 1")
+    for flag, value in (("--parallel", args.parallel), ("--heartbeat", args.heartbeat),
+                        ("--gpus-per-trial", args.gpus_per_trial)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
     return Options(storage=args.storage, name=args.study_name or f"crossbow:{os.path.basename(os.path.abspath(out))}",
                    worker=args.worker, parallel=args.parallel, heartbeat=args.heartbeat,
                    gpus_per_trial=args.gpus_per_trial, replan=bool(getattr(args, "resume", False)) and not args.worker)
+
+
+def open_given_storage(opts):
+    """Opens the --storage of OPTS (checked first), so that a storage that cannot be opened is one
+    line before the report directory is made; None for the default SQLite file (made with it)."""
+    if not opts.storage:
+        return None
+    check_storage(opts.storage)
+    try:
+        return open_storage(opts.storage, opts.heartbeat)
+    except Exception as e:   # noqa: BLE001 - sqlalchemy's and the drivers' errors, as one line
+        reason = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--storage {opts.storage}: cannot open it: {reason}") from None
 
 
 def joins(args):
