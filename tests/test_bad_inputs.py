@@ -3,8 +3,9 @@ ValueError / TypeError naming the parameter), and no file changes.
 
 The command-line cases call each command's main() in this process: they are refused before
 TensorFlow starts any work, so no device split or training happens. A few end-to-end cases run the
-real command in a subprocess. With CROSSBOW_TF_BAD_INPUTS_TABLE=FILE the test writes every case and
-what it gave as a Markdown table to FILE (docs/bad_inputs.md is made that way).
+real command in a subprocess. The test collects every case and what it gave as a Markdown table:
+docs/bad_inputs.md's table must be that table (with CROSSBOW_TF_BAD_INPUTS_TABLE=1 the last test
+rewrites it instead).
 """
 import dataclasses
 import hashlib
@@ -322,12 +323,9 @@ def test_numbers_as_people_write_them_are_numbers(tmp_path):
     assert config_lib.parse_yaml("name: e5\nother: 1e\n") == {"name": "e5", "other": "1e"}   # words stay words
 
 
-def test_write_the_table():
-    """Writes every case and its outcome (CROSSBOW_TF_BAD_INPUTS_TABLE=FILE); runs after the cases."""
-    target = os.environ.get("CROSSBOW_TF_BAD_INPUTS_TABLE")
-    if not target:
-        return
-    assert len(OUTCOMES) == len(CASES), "run the whole module to write the table"
+def bad_inputs_table():
+    """The Markdown table of every case and what it gave (docs/bad_inputs.md's table)."""
+    assert len(OUTCOMES) == len(CASES), "run the whole module: the table needs every case's outcome"
     rows = ["| # | entry point | bad input | what it gives |", "|---|---|---|---|"]
     for i, case in enumerate(CASES, 1):
         given = " ".join(a.replace("{dir}", "<dir>") for a in case.args if a != "--config" and "c.yaml" not in a)
@@ -342,8 +340,27 @@ def test_write_the_table():
             what = case.name
         what = what.replace("|", "\\|")
         rows.append(f"| {i} | {COMMANDS[case.entry]}{' ' + given if given else ''} | {what} | {text} |")
-    with open(target, "w", encoding="utf-8") as f:
-        f.write("\n".join(rows) + "\n")
+    return "\n".join(rows) + "\n"
+
+
+TABLE_DOC = os.path.join(REPO, "docs", "bad_inputs.md")
+TABLE_START = "| # | entry point | bad input | what it gives |"
+
+
+def test_the_committed_table_is_this_suites():
+    """docs/bad_inputs.md's table is what the cases above give (runs after them). With
+    CROSSBOW_TF_BAD_INPUTS_TABLE=1 it rewrites the file's table instead of comparing."""
+    table = bad_inputs_table()
+    with open(TABLE_DOC, encoding="utf-8") as f:
+        text = f.read()
+    assert TABLE_START in text, f"{TABLE_DOC}: no table header {TABLE_START!r}"
+    header, committed = text[:text.index(TABLE_START)], text[text.index(TABLE_START):]
+    if os.environ.get("CROSSBOW_TF_BAD_INPUTS_TABLE"):
+        with open(TABLE_DOC, "w", encoding="utf-8") as f:
+            f.write(header + table)
+        return
+    assert committed == table, ("docs/bad_inputs.md is stale: regenerate it with "
+                                "CROSSBOW_TF_BAD_INPUTS_TABLE=1 python -m pytest -q tests/test_bad_inputs.py")
 
 
 # ------------------------------------------------------------------------------------ end to end
