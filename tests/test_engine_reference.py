@@ -112,14 +112,29 @@ def test_reference_detects_a_wrong_rule(cpu_devices):
 
 
 def test_learning_rate_drop_resets_sma_learners_to_center(cpu_devices):
-    """Right after a drop every learner starts from z, so with one learner w and z agree there."""
-    engine, *_ = run_engine(SMA(momentum=0.0, central_momentum=0.0), cpu_devices[:1], 2, 3, 0.1, [])
-    learners = engine.learner_weights()
-    assert max(np.abs(a - b).max() for a, b in zip(learners[0], engine.center_weights())) > 1e-6
-    engine.reset_learners()
-    for learner in engine.learner_weights():
-        for a, b in zip(learner, engine.center_weights()):
+    """A real drop of the rate (0.1, 0.1, then 0): train_step restarts every learner from z before the
+    step, and a step at rate 0 from z leaves SMA's learners (without momentum) at z exactly. An engine
+    that does not reset on drops keeps its learners apart from z across the same drop."""
+    x, y = toy_data()
+
+    def learners_after_drop(reset):
+        engine = Engine(small_mlp(), LOSS, SMA(momentum=0.0, central_momentum=0.0),
+                        CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2),
+                        jit_update=False, reset_on_lr_drop=reset)
+        for lr in (0.1, 0.1):
+            engine.train_step(x[:2 * B], y[:2 * B], None, lr)
+        assert max(np.abs(a - b).max() for a, b in zip(engine.learner_weights()[0], engine.center_weights(),
+                                                         strict=True)) > 1e-6
+        engine.train_step(x[:2 * B], y[:2 * B], None, 0.0)   # the drop
+        return engine.learner_weights(), engine.center_weights()
+
+    learners, z = learners_after_drop(reset=True)
+    assert len(learners) == 2
+    for learner in learners:
+        for a, b in zip(learner, z, strict=True):
             np.testing.assert_array_equal(a, b)
+    learners, z = learners_after_drop(reset=False)
+    assert max(np.abs(a - b).max() for a, b in zip(learners[0], z, strict=True)) > 1e-6
 
 
 @pytest.mark.parametrize("algorithm, hyper", [("sma", "momentum_wd"), ("easgd", "plain")])
