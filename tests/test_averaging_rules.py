@@ -19,36 +19,33 @@ from crossbow_tf.errors import TrainingInterrupted
 from crossbow_tf.results import RunResults
 from numpy_reference import run_reference
 from test_checkpoint import _problem
-from test_engine_reference import B, CLASSES, LOSS, N, small_mlp, toy_data
+from test_engine_reference import B, CLASSES, LOSS, N, assert_engine_matches, small_mlp, toy_data
 
 RATE = 0.1
 
 
-def run_engine(algorithm, devices, m, iterations_wanted, drops=()):
+def run_engine(algorithm, devices, m, iterations_wanted, drops=(), jit_update=True):
+    """JIT_UPDATE: as test_engine_reference.run_engine's (each rule setting under XLA at XLA_PLACEMENT)."""
     x, y = toy_data()
     model = small_mlp()
     params0 = [v.numpy() for v in model.trainable_variables]
-    engine = Engine(model, LOSS, algorithm, CrossbowStrategy(devices=devices, learners_per_device=m))
+    engine = Engine(model, LOSS, algorithm, CrossbowStrategy(devices=devices, learners_per_device=m),
+                    jit_update=jit_update)
     k = engine.num_learners
     per_epoch = math.ceil(N / (k * B))
     epochs = math.ceil(iterations_wanted / per_epoch)
     data = from_arrays("toy", (x, y), (x, y), num_classes=CLASSES)
     train(engine, data, B, epochs, StepSchedule(RATE, list(drops), 0.1), RunResults("t", env={}),
-          shuffle=False, log=lambda *a: None)
+          shuffle=False, log=lambda *a: None, learner_diagnostics=False)
     return engine, params0, x, y, k, epochs * per_epoch, per_epoch
 
 
 def assert_matches(engine, z_ref, w_ref, params0):
-    for got, want in zip(engine.center_weights(), z_ref):
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-    for j, (got_j, want_j) in enumerate(zip(engine.learner_weights(), w_ref)):
-        for got, want in zip(got_j, want_j):
-            np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=f"learner {j}")
-    # z must have moved well beyond the tolerance, or the comparison proves nothing.
-    assert max(np.abs(a - b).max() for a, b in zip(z_ref, params0)) > 1e-2
+    assert_engine_matches(engine, z_ref, w_ref, params0, atol=2e-5)
 
 
 PLACEMENTS = [(1, 2), (2, 2), (4, 1)]
+XLA_PLACEMENT = (1, 2)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: f"D{p[0]}xm{p[1]}")
@@ -59,7 +56,8 @@ def test_decoupled_central_step_matches_numpy(placement, period, cpu_devices):
     D, m = placement
     rule = SMA(alpha=0.4, central_step=2.0, momentum=0.9, central_momentum=0.5, weight_decay=0.01,
                sync_period=period)
-    engine, params0, x, y, k, iterations, _ = run_engine(rule, cpu_devices[:D], m, 8, drops=[4])
+    engine, params0, x, y, k, iterations, _ = run_engine(rule, cpu_devices[:D], m, 8, drops=[4],
+                                                         jit_update=placement == XLA_PLACEMENT)
     z_ref, w_ref = run_reference("sma", params0, x, y, k, B, iterations, RATE, [4], 0.1, mu=0.9, mu_z=0.5,
                                  wd=0.01, alpha=0.4, central_step=2.0, period=period)
     assert_matches(engine, z_ref, w_ref, params0)
@@ -80,7 +78,8 @@ def test_sync_period_matches_numpy(algorithm, period, placement, cpu_devices):
     else:
         rule = ElasticAveragingSGD(momentum=0.5, sync_period=period)
         kwargs = dict(mu=0.5)
-    engine, params0, x, y, k, iterations, _ = run_engine(rule, cpu_devices[:D], m, 9)
+    engine, params0, x, y, k, iterations, _ = run_engine(rule, cpu_devices[:D], m, 9,
+                                                         jit_update=placement == XLA_PLACEMENT)
     z_ref, w_ref = run_reference(algorithm, params0, x, y, k, B, iterations, RATE, period=period, **kwargs)
     assert_matches(engine, z_ref, w_ref, params0)
     z_every, _ = run_reference(algorithm, params0, x, y, k, B, iterations, RATE, **kwargs)
@@ -99,7 +98,8 @@ def test_local_sgd_matches_numpy(outer, period, placement, cpu_devices):
     D, m = placement
     o = OUTER[outer]
     rule = LocalSGD(period=period, momentum=0.9, weight_decay=0.01, **o)
-    engine, params0, x, y, k, iterations, _ = run_engine(rule, cpu_devices[:D], m, 9)
+    engine, params0, x, y, k, iterations, _ = run_engine(rule, cpu_devices[:D], m, 9,
+                                                         jit_update=placement == XLA_PLACEMENT)
     z_ref, w_ref = run_reference("localsgd", params0, x, y, k, B, iterations, RATE, mu=0.9, wd=0.01, period=period,
                                  outer_lr=o["outer_learning_rate"], outer_mu=o["outer_momentum"], nesterov=o["nesterov"])
     assert_matches(engine, z_ref, w_ref, params0)
@@ -113,10 +113,9 @@ def test_local_sgd_with_period_1_is_synchronous_sgd_with_momentum_on_the_mean_gr
                                                          cpu_devices[:2], 1, 10)
     assert N % (k * B) == 0
     z_ssgd, _ = run_reference("ssgd", params0, x, y, k, B, iterations, RATE, mu=0.9, wd=0.01)
-    for got, want in zip(engine.center_weights(), z_ssgd):
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-    for learner in engine.learner_weights():   # every learner restarted from z
-        for a, b in zip(learner, engine.center_weights()):
+    assert_engine_matches(engine, z_ssgd, [z_ssgd] * k, params0, atol=2e-5)   # every learner restarted from z
+    for learner in engine.learner_weights():
+        for a, b in zip(learner, engine.center_weights(), strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -229,7 +228,7 @@ def test_a_checkpoint_between_two_synchronisations_resumes_bit_identically(rule,
     _, progress = checkpoints.restore_newest(results, log=lambda line: None)
     assert progress.iteration == 6
     train(resumed, data, 8, 2, schedule, results, checkpoints=checkpoints, progress=progress, **kwargs)
-    for a, b in zip(_everything(resumed), _everything(reference)):
+    for a, b in zip(_everything(resumed), _everything(reference), strict=True):
         assert a.tobytes() == b.tobytes()
 
 
@@ -311,9 +310,11 @@ def test_use_sma_takes_a_rule_and_fit_follows_its_period(rule, reference, cpu_de
     use_sma(model, CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=1), algorithm=rule)
     model.fit(x, y, batch_size=2 * B, epochs=2, shuffle=False, verbose=0)
     z_ref, _ = run_reference(params0=params0, x=x, y=y, k=2, b=B, iterations=10, base_lr=RATE, mu=0.9, **reference)
-    for got, want in zip(model.trainable_variables, z_ref):
-        np.testing.assert_allclose(got.numpy(), want, atol=2e-5, rtol=0)
-    assert max(np.abs(a - b).max() for a, b in zip(z_ref, params0)) > 1e-2
+    z = [v.numpy() for v in model.trainable_variables]
+    assert len(z) == len(z_ref) == len(params0) > 0
+    for got, want in zip(z, z_ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    assert max(np.abs(a - b).max() for a, b in zip(z, params0, strict=True)) > 1e-2
 
 
 def test_use_sma_refuses_a_rule_that_contradicts_the_compiled_optimizer(cpu_devices):

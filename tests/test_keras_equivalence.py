@@ -155,10 +155,17 @@ def test_fit_matches_numpy_transcription(cpu_devices, case):
     z, learners, losses, resets = numpy_reference(initial, x, y, k, b, epochs, lr_at, c["algorithm"],
                                                   mu, mu_z, alpha, c["lam"])
     training = get_training(model)
-    for ours, ref in zip(model.get_weights(), z):          # the model object holds z
+    ours_z = model.get_weights()                          # the model object holds z
+    assert len(ours_z) == len(z) == len(initial) > 0
+    for ours, ref in zip(ours_z, z, strict=True):
         np.testing.assert_allclose(ours, ref, atol=1e-5)
-    for ours, ref in zip(training.learner_weights(), learners):
-        for a, r in zip(ours, ref):
+    # z moved well beyond the tolerance, or the comparison proves nothing.
+    assert max(np.abs(a - b).max() for a, b in zip(ours_z, initial, strict=True)) > 1e-3
+    ours_learners = training.learner_weights()
+    assert len(ours_learners) == len(learners) == k
+    for ours, ref in zip(ours_learners, learners, strict=True):
+        assert len(ours) == len(ref) == len(initial)
+        for a, r in zip(ours, ref, strict=True):
             np.testing.assert_allclose(a, r, atol=1e-5)
     np.testing.assert_allclose(history.history["loss"], losses, atol=1e-5)
     assert int(training.resets.numpy()) == resets

@@ -68,8 +68,10 @@ def test_sma_learners_with_keras_optimizer_match_numpy_reference(case, cpu_devic
                                          drops, period=period)
     assert max(np.abs(a - b).max() for a, b in zip(engine.center_weights(), z_other)) > 1e-4
     # Each learner has its own optimizer state: the slots are stacks of m learners, and they differ.
-    slots = [v.numpy() for v in engine.optimizer_states[0] if v.shape.rank and v.shape[0] == m]
-    assert slots and all(s.shape[0] == m for s in slots)
+    # Every slot that is not a scalar (the step count) is a stack of m learners of one weight's shape.
+    shapes = {tuple(v.shape) for v in engine.weights[0]}
+    slots = [v.numpy() for v in engine.optimizer_states[0] if v.shape.rank]
+    assert slots and all(s.shape[0] == m and s.shape in shapes for s in slots)
     if m > 1:
         assert any(not np.array_equal(s[0], s[1]) for s in slots)
     assert int(engine.optimizers.clones[0].iterations.numpy()) == iterations

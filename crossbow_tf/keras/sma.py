@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from crossbow_tf.algorithms.rules import SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD
+from crossbow_tf.algorithms.rules import ALGORITHMS as RULES, SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD
 from crossbow_tf.distribute.strategy import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
 from crossbow_tf.engine.optimizers import check_noise_matching, is_momentum_sgd, learner_optimizer
@@ -27,7 +27,7 @@ from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
 from crossbow_tf.keras.structure import CompiledLoss, Packer, PackedModel, check_compiled_loss
 
-ALGORITHMS = ("sma", "ssgd", "easgd")
+ALGORITHMS = tuple(RULES)   # the registry's names: every rule there is a name use_sma takes
 STATE_SUFFIX = ".crossbow.npz"
 _ATTRIBUTE = "_crossbow_training"
 _PATCHED = ("fit", "train_step", "train_on_batch", "make_train_function", "save_weights", "load_weights")
