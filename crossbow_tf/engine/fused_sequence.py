@@ -13,9 +13,13 @@ Layouts (fused.py's, decided by the single-learner rank): ids (b,) -> (m, b), id
 - LayerNormalization over the last axis: the last axis is the channel axis in every fused layout, so
   the moments are Keras's own (ops.moments, in at least float32 as ops.layer_normalization computes
   them) and only gamma/beta carry a learner axis.
-- MultiHeadAttention: its EinsumDense projections are einsums with the learner as a batch index
-  (b, T, m, D) x (m, D, N, H) -> (b, T, m, N, H); the attention then sees the m*N heads of all
-  learners as heads. Which attention path runs, the masks it builds (query mask from the query,
+- MultiHeadAttention: the inputs move once to the stacked layout (m, b, T, D); its EinsumDense
+  projections are batched matmuls over the learner axis, (m, b*T, D) x (m, D, N*H), whose outputs
+  (m, b, T, N, H) are the learners merged into the batch, (m*b, T, N, H), for free. The attention is
+  then Keras's own (ops.dot_product_attention, or its einsums and Softmax layer) on a batch of m*b;
+  the output projection is again a batched matmul, moved back to (b, T, m, E). (Einsums with the
+  learner as an inner batch index, (b, T, m, D) x (m, D, N, H), measured slower: TensorFlow
+  transposes every operand for them.) Which attention path runs, the masks it builds (query mask from the query,
   value/key masks, attention_mask, causal), the Softmax with mask and the scores' dropout follow
   Keras's MultiHeadAttention.call; the scores' dropout goes through ctx.dropout with the layer's own
   Dropout, so each learner's mask is drawn from its own seed.
@@ -154,20 +158,32 @@ def _layer_norm(ctx, layer, x):
 
 # ---- MultiHeadAttention -------------------------------------------------------------------------
 
+def _dims(x):
+    return [x.shape[a] if x.shape[a] is not None else tf.shape(x)[a] for a in range(len(x.shape))]
+
+
 def _project(ctx, dense, x):
-    """EinsumDense 'abc,cde->abde' for all learners: (b, T, m, D) x (m, D, N, H) -> (b, T, m, N, H)."""
-    y = tf.einsum("btmd,mdnh->btmnh", x, ctx.weight(dense.kernel))
+    """EinsumDense 'abc,cde->abde' for all learners as one batched matmul over the learner axis:
+    stacked (m, b, T, D) x (m, D, N, H) -> (m*b, T, N, H), the learners merged into the batch."""
+    m, b, t, d = _dims(x)
+    kernel = ctx.weight(dense.kernel)
+    heads, size = kernel.shape[2], kernel.shape[3]
+    y = tf.matmul(tf.reshape(x, [m, b * t, d]), tf.reshape(kernel, [m, d, heads * size]))
+    y = tf.reshape(y, [m, b, t, heads, size])
     if dense.bias is not None:
-        y = y + ctx.weight(dense.bias)                      # (m, N, H) broadcasts over (b, T)
-    return y
+        y = y + ctx.weight(dense.bias)[:, None, None]        # (m, N, H) over (b, T)
+    return tf.reshape(y, [m * b, t, heads, size])
 
 
-def _output_projection(ctx, dense, x):
-    """EinsumDense 'abcd,cde->abe' for all learners: (b, T, m, N, H) x (m, N, H, E) -> (b, T, m, E)."""
-    y = tf.einsum("btmnh,mnhe->btme", x, ctx.weight(dense.kernel))
+def _output_projection(ctx, dense, x, m):
+    """EinsumDense 'abcd,cde->abe' for all learners: (m*b, T, N, H) x (m, N, H, E) -> fused (b, T, m, E)."""
+    mb, t, heads, size = _dims(x)
+    kernel = ctx.weight(dense.kernel)
+    y = tf.matmul(tf.reshape(x, [m, mb // m * t, heads * size]), tf.reshape(kernel, [m, heads * size, -1]))
+    y = tf.reshape(y, [m, mb // m, t, kernel.shape[-1]])
     if dense.bias is not None:
-        y = y + ctx.weight(dense.bias)
-    return y
+        y = y + ctx.weight(dense.bias)[:, None, None]
+    return tf.transpose(y, [1, 2, 0, 3])
 
 
 def _call_masks(call):
@@ -206,48 +222,48 @@ def _attention_mask(layer, query, value, masks, attention_mask, use_causal_mask)
     return combined
 
 
-def _as_heads(mask, m, b, heads, t, s):
-    """(m, b, T, S)-broadcastable MASK -> (b, m*N, T, S), the learners' heads side by side."""
-    mask = tf.broadcast_to(mask, [m, b, t, s])
-    mask = tf.broadcast_to(tf.transpose(mask, [1, 0, 2, 3])[:, :, None], [b, m, heads, t, s])
-    return tf.reshape(mask, [b, m * heads, t, s])
+def _per_example(mask, m, b, t, s):
+    """(m, b, T, S)-broadcastable MASK -> (m*b, 1, T, S), as Keras expands it over the heads."""
+    return tf.reshape(tf.broadcast_to(mask, [m, b, t, s]), [m * b, 1, t, s])
 
 
-def _dot_product_path(layer, query, key, value, mask, causal_only):
-    """Keras's ops.dot_product_attention path, with the m*N heads of all learners as heads."""
-    b, t, m, heads, key_dim = _dims(query)
-    s = _dims(key)[1]
+def _dot_product_path(layer, query, key, value, mask, causal_only, m):
+    """Keras's ops.dot_product_attention path, the learners merged into the batch."""
+    mb, t = _dims(query)[:2]
     if mask is not None:
-        mask = _as_heads(mask, m, b, heads, t, s)
-    merge = lambda x: tf.reshape(x, [tf.shape(x)[0], tf.shape(x)[1], m * heads, x.shape[-1]])
-    output = ops.dot_product_attention(merge(query), merge(key), merge(value), mask=mask,
-                                       scale=layer._inverse_sqrt_key_dim, is_causal=causal_only)
-    return tf.reshape(output, [b, t, m, heads, value.shape[-1]])
-
-
-def _dims(x):
-    return [x.shape[a] if x.shape[a] is not None else tf.shape(x)[a] for a in range(len(x.shape))]
+        mask = _per_example(mask, m, mb // m, t, _dims(key)[1])
+    return ops.dot_product_attention(query, key, value, mask=mask, scale=layer._inverse_sqrt_key_dim,
+                                     is_causal=causal_only)
 
 
 def _scores_path(ctx, layer, query, key, value, mask, causal_only):
-    """Keras's explicit-scores path: scaled query, scores, Softmax with mask, dropout, combine.
-    Scores are kept in the fused rank-4 layout (b, N, T, m, S)."""
-    b, t, m, heads, _ = _dims(query)
+    """Keras's explicit-scores path: scaled query, scores, its Softmax with mask, dropout, combine.
+    Returns the attended values (m*b, T, N, H) and the scores in fused layout (b, N, T, m, S)."""
+    m = ctx.m
+    mb, t, heads, _ = _dims(query)
     s = _dims(key)[1]
     if causal_only:
         mask = layer._compute_causal_mask(query, value)[None]
-    query = query * tf.cast(layer._inverse_sqrt_key_dim, query.dtype)
-    scores = tf.einsum("bsmnh,btmnh->bntms", key, query)
-    # Keras's own Softmax layer (its axis is the last one of a rank-4 tensor): fold (T, m) together.
-    folded = tf.reshape(scores, [b, heads, t * m, s])
-    folded_mask = None
+    query = ops.multiply(query, ops.cast(layer._inverse_sqrt_key_dim, query.dtype))
+    scores = ops.einsum(layer._dot_product_equation, key, query)            # (m*b, N, T, S)
     if mask is not None:
-        folded_mask = tf.transpose(tf.broadcast_to(mask, [m, b, t, s]), [1, 2, 0, 3])
-        folded_mask = tf.reshape(folded_mask, [b, 1, t * m, s])
-    scores = tf.reshape(layer._softmax(folded, mask=folded_mask), [b, heads, t, m, s])
-    dropped = ctx.dropout(layer._dropout_layer, scores) if layer._dropout > 0.0 else scores
-    output = tf.einsum("bntms,bsmnh->btmnh", dropped, value)
-    return output, scores
+        mask = _per_example(mask, m, mb // m, t, s)
+    scores = layer._softmax(scores, mask=mask)
+    stacked_shape = [m, mb // m, heads, t, s]
+    fused_scores = ctx.to_fused(tf.reshape(scores, stacked_shape))
+    dropped = scores
+    if layer._dropout > 0.0:   # each learner's dropout mask from its own seed
+        dropped = tf.reshape(ctx.to_stacked(ctx.dropout(layer._dropout_layer, fused_scores)), [mb, heads, t, s])
+    return ops.einsum(layer._combine_equation, dropped, value), fused_scores
+
+
+def _stacked_inputs(ctx, query, key, value):
+    """Fused (b, T, m, D) inputs -> stacked (m, b, T, D), one transpose per distinct tensor."""
+    stacked = {}
+    for x in (query, key, value):
+        if id(x) not in stacked:
+            stacked[id(x)] = tf.transpose(x, [2, 0, 1, 3])
+    return stacked[id(query)], stacked[id(key)], stacked[id(value)]
 
 
 def _mha(ctx, layer, args, kwargs):
@@ -263,14 +279,15 @@ def _mha(ctx, layer, args, kwargs):
     return_scores = bool(call.get("return_attention_scores", False))
     causal_only = use_causal and attention_mask is None and all(mk is None for mk in masks)
     mask = None if causal_only else _attention_mask(layer, query, value, masks, attention_mask, use_causal)
+    query, key, value = _stacked_inputs(ctx, query, key, value)
     q = _project(ctx, layer._query_dense, query)
     k = _project(ctx, layer._key_dense, key)
     v = _project(ctx, layer._value_dense, value)
     if layer._dropout > 0.0 or return_scores:
         attended, scores = _scores_path(ctx, layer, q, k, v, mask, causal_only)
     else:
-        attended, scores = _dot_product_path(layer, q, k, v, mask, causal_only), None
-    output = _output_projection(ctx, layer._output_dense, attended)
+        attended, scores = _dot_product_path(layer, q, k, v, mask, causal_only, ctx.m), None
+    output = _output_projection(ctx, layer._output_dense, attended, ctx.m)
     return (output, scores) if return_scores else output
 
 
