@@ -66,12 +66,15 @@ def _variants(layer, m, fused_inputs, stacked_inputs):
         ctx = _Ctx(m, {id(v): w for v, w in zip(layer.trainable_variables, ws, strict=True)})
         return fused_sequence.apply(ctx, layer, fused_inputs, {})
 
+    to_fused = _Ctx(m, {}).to_fused   # the generic form and the loop also end in the fused layout
+
     def generic(ws):
-        return tf.vectorized_map(lambda a: per_learner(a[0], *a[1]), (ws, stacked_inputs),
-                                 fallback_to_while_loop=False)
+        return to_fused(tf.vectorized_map(lambda a: per_learner(a[0], *a[1]), (ws, stacked_inputs),
+                                 fallback_to_while_loop=False))
 
     def loop(ws):
-        return tf.stack([per_learner([w[i] for w in ws], *[x[i] for x in stacked_inputs]) for i in range(m)])
+        return to_fused(tf.stack([per_learner([w[i] for w in ws], *[x[i] for x in stacked_inputs])
+                                  for i in range(m)]))
 
     big = [tf.reshape(x, [m * x.shape[1], *x.shape[2:]]) for x in stacked_inputs]
     single = [tf.Variable(v.value) for v in layer.trainable_variables]
