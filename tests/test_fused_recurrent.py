@@ -1,0 +1,170 @@
+"""crossbow_tf.engine.fused_recurrent: each learner's slice of the fused recurrent forms equals Keras's
+own layer (stateless_call with that learner's weights), forward and gradients, with and without a
+padding mask, for m = 1 and 3, and under mixed_bfloat16."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import layers as L
+
+from crossbow_tf.engine import fused_recurrent
+
+B, T, C = 2, 5, 3
+LENGTHS = [5, 2]   # per example, as Embedding(mask_zero=True) masks padded tokens at the end
+
+
+class StackContext:
+    """FORMS_API.md's ctx over explicit (m, ...) stacks of LAYER's variables."""
+
+    def __init__(self, layer, stacks):
+        self.m = int(stacks[0].shape[0])
+        self._layer = layer
+        self._stacks = {id(v): s for v, s in zip(layer.trainable_variables, stacks, strict=True)}
+
+    def weight(self, variable):
+        value = self._stacks[id(variable)]
+        dtype = self._layer.compute_dtype
+        if getattr(variable, "_autocast", True) and value.dtype.is_floating and value.dtype != dtype:
+            return tf.cast(value, dtype)
+        return value
+
+    def set_state(self, variable, value):
+        self._stacks[id(variable)] = value
+
+    def dropout(self, layer, x):
+        raise AssertionError("no dropout in these layers")
+
+    @staticmethod
+    def to_fused(x):
+        return tf.transpose(x, [1, 2, 0, 3]) if len(x.shape) == 4 else x
+
+    @staticmethod
+    def to_stacked(x):
+        return tf.transpose(x, [2, 0, 1, 3]) if len(x.shape) == 4 else x
+
+
+CASES = {
+    "lstm": lambda: L.LSTM(4),
+    "lstm_seq": lambda: L.LSTM(4, return_sequences=True),
+    "lstm_back_seq": lambda: L.LSTM(4, return_sequences=True, go_backwards=True),
+    "lstm_nobias_relu": lambda: L.LSTM(4, use_bias=False, activation="relu", recurrent_activation="hard_sigmoid"),
+    "gru": lambda: L.GRU(4),
+    "gru_before_seq": lambda: L.GRU(4, reset_after=False, return_sequences=True),
+    "gru_back": lambda: L.GRU(4, go_backwards=True),
+    "rnn_seq": lambda: L.SimpleRNN(4, return_sequences=True),
+    "rnn_back": lambda: L.SimpleRNN(4, go_backwards=True, use_bias=False),
+    "bi_lstm_seq": lambda: L.Bidirectional(L.LSTM(4, return_sequences=True)),
+    "bi_lstm": lambda: L.Bidirectional(L.LSTM(4)),
+    "bi_gru_sum_seq": lambda: L.Bidirectional(L.GRU(4, return_sequences=True), merge_mode="sum"),
+    "bi_rnn_mul": lambda: L.Bidirectional(L.SimpleRNN(4), merge_mode="mul"),
+    "bi_lstm_ave_seq": lambda: L.Bidirectional(L.LSTM(4, return_sequences=True), merge_mode="ave"),
+    "bi_gru_none": lambda: L.Bidirectional(L.GRU(4), merge_mode=None),
+}
+
+
+def _padding_mask(m):
+    return np.stack([np.arange(T)[None, :] < np.array(LENGTHS)[:, None]] * m)          # (m, b, T)
+
+
+def _setup(make, m, policy):
+    keras.config.set_dtype_policy(policy)
+    try:
+        layer = make()
+        layer.build((B, T, C))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    rng = np.random.default_rng(7)
+    stacks = [tf.constant(np.stack([rng.normal(0, 0.5, v.shape) for _ in range(m)]), tf.float32)
+              for v in layer.trainable_variables]
+    x = tf.constant(rng.normal(size=(m, B, T, C)), tf.float32)
+    probe_rng = np.random.default_rng(3)
+    return layer, stacks, x, probe_rng
+
+
+def _loss(outputs, probes):
+    return sum(tf.reduce_sum(tf.cast(o, tf.float32) * p) for o, p in zip(outputs, probes, strict=True))
+
+
+def _fused(layer, stacks, x, mask, probes):
+    with tf.GradientTape() as tape:
+        tape.watch([x] + stacks)
+        ctx = StackContext(layer, stacks)
+        kwargs = {} if mask is None else {"mask": tf.constant(mask)}
+        y = fused_recurrent.apply(ctx, layer, (ctx.to_fused(tf.cast(x, layer.compute_dtype)),), kwargs)
+        outputs = [ctx.to_stacked(t) for t in tf.nest.flatten(y)]
+        loss = _loss(outputs, probes)
+    return outputs, tape.gradient(loss, [x] + stacks)
+
+
+def _keras(layer, stacks, x, mask, probes):
+    m = x.shape[0]
+    with tf.GradientTape() as tape:
+        tape.watch([x] + stacks)
+        per_learner = []
+        for i in range(m):
+            kwargs = {} if mask is None else {"mask": tf.constant(mask[i])}
+            y, _ = layer.stateless_call([s[i] for s in stacks], list(layer.non_trainable_variables), tf.cast(x[i], layer.compute_dtype),
+                                        training=True, **kwargs)
+            per_learner.append(tf.nest.flatten(y))
+        outputs = [tf.stack(parts) for parts in zip(*per_learner, strict=True)]
+        loss = _loss(outputs, probes)
+    return outputs, tape.gradient(loss, [x] + stacks)
+
+
+# Every case at m = 3 with and without a mask; m = 1 and mixed_bfloat16 on a few (the suite must stay fast).
+GRID = ([(case, 3, masked, "float32") for case in sorted(CASES) for masked in (False, True)]
+        + [(case, 1, True, "float32") for case in ("lstm", "gru_before_seq", "rnn_seq", "bi_lstm_seq", "bi_lstm")]
+        + [(case, 3, True, "mixed_bfloat16") for case in ("lstm_seq", "gru", "bi_lstm_seq", "bi_lstm")])
+
+
+@pytest.mark.parametrize("case, m, masked, policy", GRID)
+def test_fused_equals_keras_per_learner(case, m, masked, policy):
+    layer, stacks, x, rng = _setup(CASES[case], m, policy)
+    assert fused_recurrent.reason(layer) is None
+    assert not layer.non_trainable_weights   # (the cells' unused seed generators are variables, not weights)
+    mask = _padding_mask(m) if masked else None
+    shapes_probe = _keras(layer, stacks, x, mask, [tf.zeros(())] * (2 if case == "bi_gru_none" else 1))[0]
+    probes = [tf.constant(rng.normal(size=o.shape), tf.float32) for o in shapes_probe]
+    expected, expected_grads = _keras(layer, stacks, x, mask, probes)
+    got, got_grads = _fused(layer, stacks, x, mask, probes)
+    tol = dict(rtol=1e-5, atol=1e-5) if policy == "float32" else dict(rtol=0.05, atol=0.05)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        np.testing.assert_allclose(tf.cast(g, tf.float32), tf.cast(e, tf.float32), **tol)
+    assert len(got_grads) == len(expected_grads) == len(stacks) + 1
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert g is not None and np.abs(e.numpy()).max() > 0
+        np.testing.assert_allclose(g, e, **tol)
+
+
+def test_padding_mask_changes_the_output():
+    """The masked comparisons above are not vacuous: the mask changes Keras's own output."""
+    layer, stacks, x, _ = _setup(CASES["lstm_seq"], 1, "float32")
+    plain, _ = _keras(layer, stacks, x, None, [tf.zeros(())])
+    masked, _ = _keras(layer, stacks, x, _padding_mask(1), [tf.zeros(())])
+    assert np.abs(plain[0].numpy() - masked[0].numpy()).max() > 1e-3
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: L.LSTM(3, dropout=0.2), "dropout"),
+    (lambda: L.GRU(3, recurrent_dropout=0.1), "dropout"),
+    (lambda: L.LSTM(3, stateful=True), "stateful"),
+    (lambda: L.LSTM(3, return_state=True), "return_state"),
+    (lambda: L.SimpleRNN(3, unroll=True), "unroll"),
+    (lambda: L.LSTM(3, recurrent_regularizer="l2"), "regularizer"),
+    (lambda: L.Bidirectional(L.LSTM(3, return_state=True)), "return_state"),
+    (lambda: L.Bidirectional(L.LSTM(3, dropout=0.5)), "forward layer"),
+    (lambda: L.Dense(3), "not a recurrent layer"),
+    (lambda: L.RNN(L.LSTMCell(3)), "not a recurrent layer"),
+])
+def test_reason_refuses(make, words):
+    why = fused_recurrent.reason(make())
+    assert why is not None and words in why
+
+
+def test_initial_state_is_refused():
+    layer, stacks, x, _ = _setup(CASES["lstm"], 1, "float32")
+    ctx = StackContext(layer, stacks)
+    with pytest.raises(ValueError, match="initial_state"):
+        fused_recurrent.apply(ctx, layer, (ctx.to_fused(x),), {"initial_state": [tf.zeros((B, 4))] * 2})
