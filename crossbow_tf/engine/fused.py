@@ -40,7 +40,13 @@ import numpy as np
 import tensorflow as tf
 # Not exported by Keras: the scope in which its layers read autocast variables in the compute dtype.
 from keras.src.backend import AutocastScope
+# Not exported by Keras: how its layers attach masks to tensors, and the call context through which
+# an outer layer's training flag reaches the layers it calls.
+from keras.src.backend.common import global_state
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.layers.layer import CallContext, CallSpec
 
+from crossbow_tf.engine.fused_forms import apply_generic as _GENERIC_APPLY
 from crossbow_tf.engine.fused_forms import form_of, onednn_enabled, why_unsupported  # noqa: F401 (re-exported)
 
 from crossbow_tf.engine.replicated import (ReplicatedLearners, in_variable_dtypes, masked_mean, per_example_loss_fn,
@@ -156,6 +162,59 @@ def _first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
+def _register_stateless_random_converters():
+    """Lets tf.vectorized_map convert the stateless random ops Keras's TensorFlow backend draws with
+    (Dropout, GaussianNoise, ...): TensorFlow converts their V1 ops with a loop over the learners
+    for that op alone (each learner's numbers from its own seed); the V2 ops get the same converter."""
+    from tensorflow.python.ops.parallel_for import pfor
+    for op_type in ("StatelessRandomGetKeyCounter", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+                    "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2"):
+        if op_type not in pfor._pfor_converter_registry:
+            pfor.RegisterPFor(op_type)(pfor._convert_stateless_multinomial)
+
+
+_register_stateless_random_converters()
+
+
+def _with_masks(layer, args, kwargs):
+    """KWARGS with the mask arguments Keras's Layer.__call__ fills in from the inputs' masks, and the
+    mask it passes on to compute_mask (the call's mask, else the first input's)."""
+    spec = CallSpec(layer._call_signature, layer._call_context_args, args, dict(kwargs))
+    tensor_args = spec.tensor_arguments_dict
+    if len(tensor_args) == 1 and "mask" in spec.argument_names and spec.arguments_dict["mask"] is None:
+        mask = tf.nest.map_structure(get_keras_mask, next(iter(tensor_args.values())))
+        if any(m is not None for m in tf.nest.flatten(mask)):
+            kwargs["mask"] = mask
+    elif len(tensor_args) > 1:
+        for name, value in tensor_args.items():
+            if f"{name}_mask" in spec.argument_names and spec.arguments_dict[f"{name}_mask"] is None:
+                mask = tf.nest.map_structure(get_keras_mask, value)
+                if any(m is not None for m in tf.nest.flatten(mask)):
+                    kwargs[f"{name}_mask"] = mask
+    if kwargs.get("mask") is not None:
+        return kwargs, kwargs["mask"]
+    first = spec.first_arg
+    return kwargs, None if first is None or not _is_tensor(first) else get_keras_mask(first)
+
+
+class _training_context:
+    """The call context of a training step around LAYER's own call, so that layers it calls without
+    a training argument train, as they do under Keras's Layer.__call__(training=True)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __enter__(self):
+        self.outer = global_state.get_global_attribute("current_call_ctx")
+        context = CallContext(entry_layer=self.layer)
+        context.set_value("training", True)
+        global_state.set_global_attribute("current_call_ctx", context)
+
+    def __exit__(self, *exc):
+        global_state.set_global_attribute("current_call_ctx", self.outer)
+        return False
+
+
 def _cast_seed(seed):
     # The same seed conversion as Keras's TensorFlow backend, so masks match the replicated path.
     from keras.src.backend.tensorflow.random import _cast_seed as keras_cast_seed
@@ -250,16 +309,46 @@ class FusedLearners:
     def _apply(self, layer, args, kwargs):
         if _is_submodel(layer):
             return self._run(_graph_of(layer), _tensors(args))
+        if not isinstance(layer, keras.layers.Layer):
+            # A keras.ops operation of the graph (the masks an Embedding computes, for example).
+            return self._generic(layer, args, kwargs)
+        kwargs, previous_mask = _with_masks(layer, args, dict(kwargs))
         args, kwargs = tf.nest.map_structure(lambda x: _layer_input(layer, x) if _is_tensor(x) else x,
                                              (args, kwargs))
         dtype = _weight_dtype(layer)
         self._read_dtype = None if dtype is None else tf.as_dtype(dtype)
-        _, reason, apply = form_of(layer, [len(t.shape) - 1 for t in _tensors(args)])
+        name, _, apply = form_of(layer, [len(t.shape) - 1 for t in _tensors(args)])
         try:
             with AutocastScope(dtype):
-                return apply(self, layer, args, kwargs)
+                outputs = apply(self, layer, args, kwargs)
         finally:
             self._read_dtype = None
+        if layer.supports_masking:
+            self._set_output_masks(layer, args, outputs, previous_mask, generic=apply is _GENERIC_APPLY)
+        return outputs
+
+    def _set_output_masks(self, layer, args, outputs, previous_mask, generic):
+        """Masks on OUTPUTS as Keras's Layer.__call__ attaches them: LAYER's compute_mask of its first
+        input and that input's mask; per learner (vectorized) for the generic form."""
+        first = args[0] if args else None
+        if generic and first is not None:
+            def one_learner(elems):
+                return layer.compute_mask(elems[0], elems[1])
+            if previous_mask is None:
+                if layer.compute_mask(self.to_stacked(first)[0], None) is None:
+                    return
+                masks = tf.vectorized_map(lambda x: layer.compute_mask(x, None), self.to_stacked(first),
+                                          fallback_to_while_loop=False)
+            else:
+                masks = tf.vectorized_map(one_learner, (self.to_stacked(first), previous_mask),
+                                          fallback_to_while_loop=False)
+        else:
+            masks = layer.compute_mask(first, previous_mask)
+        if masks is None:
+            return
+        for tensor, mask in zip(tf.nest.flatten(outputs), tf.nest.flatten(masks)):
+            if _is_tensor(tensor) and get_keras_mask(tensor) is None and mask is not None:
+                set_keras_mask(tensor, mask)
 
     def _dense(self, layer, x):
         """Dense on any rank: one batched matmul of (m, b, F), else an einsum over the learner axis."""
@@ -283,7 +372,8 @@ class FusedLearners:
         """LAYER's own stateless_call vectorized over the learners, each with its own weights and
         states (seed generator states included, so each learner draws what it draws replicated).
         Where TensorFlow cannot vectorize an op, the layer runs once per learner instead."""
-        trainable, state = layer.trainable_variables, layer.non_trainable_variables
+        is_layer = isinstance(layer, keras.layers.Layer)
+        trainable, state = (layer.trainable_variables, layer.non_trainable_variables) if is_layer else ([], [])
         leaves = tf.nest.flatten((args, kwargs))
         positions = [k for k, a in enumerate(leaves) if _is_tensor(a)]
         if getattr(layer, "_call_has_training_arg", False):
@@ -295,7 +385,10 @@ class FusedLearners:
             for k, t in zip(positions, tensors, strict=True):
                 filled[k] = t
             call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
-            return layer.stateless_call(list(t_values), list(s_values), *call_args, **call_kwargs)
+            if not is_layer:
+                return layer.call(*call_args, **call_kwargs), []
+            with _training_context(layer):
+                return layer.stateless_call(list(t_values), list(s_values), *call_args, **call_kwargs)
         elems = ([self._stored(v) for v in trainable], [self._stored(v) for v in state],
                  [self.to_stacked(leaves[k]) for k in positions])
         try:

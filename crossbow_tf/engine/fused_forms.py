@@ -196,12 +196,12 @@ def _module_form(module_name):
 def _reason_generic(layer, ranks):
     if isinstance(layer, keras.Model):
         return "a nested model is walked, not applied"
-    if not hasattr(layer, "stateless_call"):
-        return "it has no stateless_call"
+    if not isinstance(layer, (keras.layers.Layer, keras.Operation)):
+        return "it is neither a Keras layer nor a Keras operation"
     return None
 
 
-def _apply_generic(ctx, layer, args, kwargs):
+def apply_generic(ctx, layer, args, kwargs):
     return ctx._generic(layer, args, kwargs)
 
 
@@ -216,7 +216,7 @@ def _registry():
         ("merges and elementwise layers", _reason_merge_and_elementwise, _apply_merge_and_elementwise),
         ("sequence layers", sequence[0], sequence[1]),
         ("recurrent layers", recurrent[0], recurrent[1]),
-        ("generic: the layer's stateless_call vectorized over the learners", _reason_generic, _apply_generic),
+        ("generic: the layer's stateless_call vectorized over the learners", _reason_generic, apply_generic),
     )
 
 
