@@ -39,6 +39,7 @@ def custom_functional(input_shape=(12, 12, 3), num_classes=5):
 def run(factory, input_shape, num_classes, learners, devices, m=3, b=4, steps=3, seed=0, lr=0.05):
     keras.utils.set_random_seed(seed)
     model = factory(input_shape=input_shape, num_classes=num_classes)
+    initial = [w.numpy() for w in model.trainable_variables]
     engine = Engine(model, LOSS, SMA(), CrossbowStrategy(devices=devices, learners_per_device=m),
                     learners=learners)
     rng = np.random.default_rng(seed)
@@ -48,6 +49,7 @@ def run(factory, input_shape, num_classes, learners, devices, m=3, b=4, steps=3,
         y = rng.integers(0, num_classes, kb).astype(np.int32)
         loss, _ = engine.train_step(x, y, np.ones(kb), lr)
     states = [s.numpy() for d in engine.states for s in d]
+    engine.initial_weights = initial
     return engine, float(loss), states
 
 
@@ -57,12 +59,17 @@ def assert_same_training(factory, input_shape, num_classes, devices, **kw):
     assert isinstance(fused.learners, FusedLearners)
     assert isinstance(replicated.learners, ReplicatedLearners)
     assert abs(loss_f - loss_r) < 1e-5
-    for a, b in zip(fused.center_weights(), replicated.center_weights()):
+    initial = fused.initial_weights
+    moved = False
+    for a, b in zip(fused.center_weights(), replicated.center_weights(), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    for la, lb in zip(fused.learner_weights(), replicated.learner_weights()):
-        for a, b in zip(la, lb):
+    for la, lb in zip(fused.learner_weights(), replicated.learner_weights(), strict=True):
+        for a, b, w0 in zip(la, lb, initial, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    for a, b in zip(states_f, states_r):
+            moved = moved or np.abs(a - w0).max() > 1e-3
+    # The comparison means something only if training moved the weights well beyond the tolerance.
+    assert moved
+    for a, b in zip(states_f, states_r, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
@@ -103,15 +110,20 @@ def test_dropout_masks_differ_between_fused_learners(cpu_devices):
 
 def test_unsupported_layer_falls_back_with_a_notice(cpu_devices, caplog):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(2, 3),
+    # Two layers without a fused form: the one notice names both (and a fused LayerNormalization between).
+    model = keras.Sequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(2, 3, groups=2, name="grouped"),
                               keras.layers.LayerNormalization(name="my_norm"),
+                              keras.layers.Conv2D(2, 3, kernel_regularizer="l2", name="regularized"),
                               keras.layers.Flatten(), keras.layers.Dense(3)])
     with caplog.at_level(logging.WARNING, logger="crossbow_tf"):
         engine = Engine(model, LOSS, SMA(), CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
     assert isinstance(engine.learners, ReplicatedLearners)
     notices = [r.getMessage() for r in caplog.records if r.name == "crossbow_tf"]
-    assert len(notices) == 1 and "'my_norm'" in notices[0] and "LayerNormalization" in notices[0]
-    with pytest.raises(UnsupportedModel, match="my_norm"):
+    assert len(notices) == 1
+    assert "'grouped' (Conv2D): grouped Conv2D is not fused" in notices[0]
+    assert "'regularized' (Conv2D): it has a kernel regularizer" in notices[0]
+    assert "my_norm" not in notices[0]
+    with pytest.raises(UnsupportedModel, match="grouped.*regularized"):
         Engine(model, LOSS, SMA(), CrossbowStrategy(devices=cpu_devices[:1]), learners="fused")
 
 

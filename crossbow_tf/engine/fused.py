@@ -38,22 +38,22 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
-from keras import layers as L
 # Not exported by Keras: the scope in which its layers read autocast variables in the compute dtype.
 from keras.src.backend import AutocastScope
-# Not exported by Keras: the base of every image preprocessing and augmentation layer it ships.
-from keras.src.layers.preprocessing.image_preprocessing.base_image_preprocessing_layer import (
-    BaseImagePreprocessingLayer)
+# Not exported by Keras: how its layers attach masks to tensors, and the call context through which
+# an outer layer's training flag reaches the layers it calls.
+from keras.src.backend.common import global_state
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.layers.layer import CallContext, CallSpec
+
+from crossbow_tf.engine.fused_forms import apply_generic as _GENERIC_APPLY
+from crossbow_tf.engine.fused_forms import form_of, onednn_enabled, why_unsupported  # noqa: F401 (re-exported)
 
 from crossbow_tf.engine.replicated import (ReplicatedLearners, in_variable_dtypes, masked_mean, per_example_loss_fn,
                                            unscaled)
 
 log = logging.getLogger("crossbow_tf")
 
-_ELEMENTWISE = (L.Activation, L.ReLU, L.LeakyReLU, L.ELU, L.Softmax, L.Add, L.Subtract, L.Multiply,
-                L.Average, L.Maximum, L.Minimum)
-_REGULARIZERS = ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
-                 "gamma_regularizer", "beta_regularizer", "depthwise_regularizer", "pointwise_regularizer")
 # Single-learner ranks with a fused layout: feature vectors, sequences, images.
 _FUSED_RANKS = (2, 3, 4)
 
@@ -78,110 +78,34 @@ def _is_submodel(layer):
     return isinstance(layer, keras.Model)
 
 
-def _check_graph(graph, prefix=""):
-    """Raises UnsupportedModel naming the first layer of GRAPH (or of a model nested in it) that has
-    no fused form, or a use of one in a layout that has none."""
-    for layer in graph.operations:
-        if _is_submodel(layer):
-            _check_graph(_graph_of(layer), f"{prefix}{layer.name}/")
-            continue
-        reason = _why_unsupported(layer)
-        if reason is not None:
-            raise UnsupportedModel(f"layer {prefix + layer.name!r} ({type(layer).__name__}): {reason}")
-    for nodes in graph._nodes_by_depth.values():
-        for node in nodes:
-            for t in list(node.input_tensors) + list(node.output_tensors):
-                if len(t.shape) not in _FUSED_RANKS:
-                    name = prefix + (node.operation.name if node.operation else "input")
-                    raise UnsupportedModel(f"layer {name!r}: a tensor of rank {len(t.shape)}; only images "
-                                           "(rank 4), sequences (rank 3) and feature vectors (rank 2) are fused")
-            if node.operation is None or node.is_input or _is_submodel(node.operation):
+def _unsupported_in(graph, prefix=""):
+    """Every layer of GRAPH (or of a model nested in it) without a fused form, or used in a layout
+    that has none, as "layer 'name' (Class): reason" lines."""
+    found = []
+    # Keras numbers depths from the outputs: the deepest nodes come first in the model.
+    for depth in sorted(graph._nodes_by_depth, reverse=True):
+        for node in graph._nodes_by_depth[depth]:
+            layer = node.operation
+            if layer is None or node.is_input:
                 continue
-            reason = _why_unsupported_on(node.operation, [len(t.shape) for t in node.input_tensors])
-            if reason is not None:
-                raise UnsupportedModel(f"layer {prefix + node.operation.name!r} "
-                                       f"({type(node.operation).__name__}): {reason}")
+            if _is_submodel(layer):
+                found += _unsupported_in(_graph_of(layer), f"{prefix}{layer.name}/")
+                continue
+            ranks = [len(t.shape) for t in node.input_tensors]
+            bad = [r for r in ranks + [len(t.shape) for t in node.output_tensors] if r not in _FUSED_RANKS]
+            reason = (f"a tensor of rank {bad[0]}; only images (rank 4), sequences (rank 3) and feature "
+                      "vectors (rank 2) are fused") if bad else why_unsupported(layer, ranks)
+            line = f"layer {prefix + layer.name!r} ({type(layer).__name__}): {reason}"
+            if reason is not None and line not in found:
+                found.append(line)
+    return found
 
 
-def onednn_enabled():
-    """True when TensorFlow runs oneDNN kernels in this process.
-
-    TensorFlow's own CPU kernels compute no filter gradient of a grouped convolution (and its fused
-    Conv2D+BiasAdd rejects groups); oneDNN's do. TensorFlow turns oneDNN on by default only on some
-    CPUs (not on AMD EPYC, for example); importing crossbow_tf before TensorFlow turns it on.
-    """
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-    except ImportError:
-        return False
-    return bool(_pywrap_util_port.IsMklEnabled())
-
-
-def _conv_reason(layer, paddings):
-    if layer.padding not in paddings:
-        return f"padding {layer.padding!r} is not fused"
-    if not onednn_enabled():
-        return ("the learners' grouped convolution needs oneDNN, which is off in this process "
-                "(set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow is imported)")
-    return None
-
-
-def _why_unsupported(layer):
-    """None when LAYER has a fused form, else the reason."""
-    if isinstance(layer, L.InputLayer):
-        return None
-    for name in _REGULARIZERS:
-        if getattr(layer, name, None) is not None:
-            return f"it has a {name.replace('_', ' ')}"
-    if getattr(layer, "data_format", "channels_last") != "channels_last":
-        return "only channels_last is fused"
-    if isinstance(layer, BaseImagePreprocessingLayer):
-        return None
-    if type(layer) in (L.Conv2D, L.Conv1D):
-        if layer.groups != 1:
-            return f"grouped {type(layer).__name__} is not fused"
-        return _conv_reason(layer, ("valid", "same", "causal") if type(layer) is L.Conv1D else ("valid", "same"))
-    if type(layer) is L.SeparableConv2D:
-        return _conv_reason(layer, ("valid", "same"))
-    if type(layer) is L.DepthwiseConv2D:
-        return None if layer.padding in ("valid", "same") else f"padding {layer.padding!r} is not fused"
-    if type(layer) in (L.Dense, L.Flatten, L.Dropout, L.MaxPooling2D, L.AveragePooling2D,
-                       L.GlobalAveragePooling2D, L.GlobalMaxPooling2D, L.ZeroPadding2D, L.MaxPooling1D,
-                       L.AveragePooling1D, L.GlobalAveragePooling1D, L.GlobalMaxPooling1D, L.ZeroPadding1D):
-        if getattr(layer, "keepdims", False):
-            return "keepdims=True is not fused"
-        return None
-    if type(layer) is L.BatchNormalization:
-        if layer.renorm or layer.synchronized:
-            return "renorm/synchronized BatchNormalization is not fused"
-        return None
-    if type(layer) is L.Concatenate:
-        return None if layer.axis == -1 else "Concatenate along an axis other than the last is not fused"
-    if type(layer) is L.Rescaling:
-        # A scale or offset per channel broadcasts against the last axis in every layout; one with
-        # more axes would meet the learner axis.
-        if any(np.ndim(value) > 1 for value in (layer.scale, layer.offset)):
-            return "a scale or offset with more than one axis is not fused"
-        return None
-    if type(layer) is L.Normalization:
-        return None
-    if type(layer) in _ELEMENTWISE:
-        return None if not isinstance(layer, L.Softmax) or layer.axis in (-1, [-1]) else \
-            "Softmax along an axis other than the last is not fused"
-    return "it has no fused form"
-
-
-def _why_unsupported_on(layer, input_ranks):
-    """None when LAYER's fused form serves inputs of INPUT_RANKS (single-learner ranks), else the reason."""
-    rank = input_ranks[0] if input_ranks else None
-    if type(layer) is L.BatchNormalization and layer.axis not in (-1, rank - 1):
-        return f"BatchNormalization over axis {layer.axis} of a rank-{rank} tensor (only the last) is not fused"
-    if type(layer) is L.Normalization:
-        kept = {a % rank for a in layer.axis}
-        if not kept <= {rank - 1}:
-            return (f"Normalization keeping axes {tuple(layer.axis)} of a rank-{rank} tensor (only the last, "
-                    "or none) is not fused")
-    return None
+def _check_graph(graph):
+    """Raises UnsupportedModel naming every layer of GRAPH that has no fused form."""
+    found = _unsupported_in(graph)
+    if found:
+        raise UnsupportedModel("; ".join(found))
 
 
 # Activations that act on each element alone, so they may run on the merged (b, H, W, m*C) layout,
@@ -226,6 +150,71 @@ def _graph_input(graph, inputs):
             for x, spec in zip(inputs, graph._inputs)]
 
 
+def _is_tensor(x):
+    return isinstance(x, (tf.Tensor, tf.Variable))
+
+
+def _tensors(args):
+    return [a for a in tf.nest.flatten(args) if _is_tensor(a)]
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def _register_stateless_random_converters():
+    """Lets tf.vectorized_map convert the stateless random ops Keras's TensorFlow backend draws with
+    (Dropout, GaussianNoise, ...): TensorFlow converts their V1 ops with a loop over the learners
+    for that op alone (each learner's numbers from its own seed); the V2 ops get the same converter."""
+    from tensorflow.python.ops.parallel_for import pfor
+    for op_type in ("StatelessRandomGetKeyCounter", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+                    "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2"):
+        if op_type not in pfor._pfor_converter_registry:
+            pfor.RegisterPFor(op_type)(pfor._convert_stateless_multinomial)
+
+
+_register_stateless_random_converters()
+
+
+def _with_masks(layer, args, kwargs):
+    """KWARGS with the mask arguments Keras's Layer.__call__ fills in from the inputs' masks, and the
+    mask it passes on to compute_mask (the call's mask, else the first input's)."""
+    spec = CallSpec(layer._call_signature, layer._call_context_args, args, dict(kwargs))
+    tensor_args = spec.tensor_arguments_dict
+    if len(tensor_args) == 1 and "mask" in spec.argument_names and spec.arguments_dict["mask"] is None:
+        mask = tf.nest.map_structure(get_keras_mask, next(iter(tensor_args.values())))
+        if any(m is not None for m in tf.nest.flatten(mask)):
+            kwargs["mask"] = mask
+    elif len(tensor_args) > 1:
+        for name, value in tensor_args.items():
+            if f"{name}_mask" in spec.argument_names and spec.arguments_dict[f"{name}_mask"] is None:
+                mask = tf.nest.map_structure(get_keras_mask, value)
+                if any(m is not None for m in tf.nest.flatten(mask)):
+                    kwargs[f"{name}_mask"] = mask
+    if kwargs.get("mask") is not None:
+        return kwargs, kwargs["mask"]
+    first = spec.first_arg
+    return kwargs, None if first is None or not _is_tensor(first) else get_keras_mask(first)
+
+
+class _training_context:
+    """The call context of a training step around LAYER's own call, so that layers it calls without
+    a training argument train, as they do under Keras's Layer.__call__(training=True)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __enter__(self):
+        self.outer = global_state.get_global_attribute("current_call_ctx")
+        context = CallContext(entry_layer=self.layer)
+        context.set_value("training", True)
+        global_state.set_global_attribute("current_call_ctx", context)
+
+    def __exit__(self, *exc):
+        global_state.set_global_attribute("current_call_ctx", self.outer)
+        return False
+
+
 def _cast_seed(seed):
     # The same seed conversion as Keras's TensorFlow backend, so masks match the replicated path.
     from keras.src.backend.tensorflow.random import _cast_seed as keras_cast_seed
@@ -244,6 +233,8 @@ class FusedLearners:
         self.per_example_loss = per_example_loss_fn(loss)
         self._t_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         self._s_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        # Layers the generic form ran once per learner (TensorFlow could not vectorize an op): name -> why.
+        self._not_vectorized = {}
 
     # ---- layouts ---------------------------------------------------------------------------
     # A fused tensor of rank 3 is (m, b, F); of rank 4 or 5, (b, ..., m, C) with the learners second
@@ -315,86 +306,121 @@ class FusedLearners:
             return self._split(layer.activation(y), m)
         return layer.activation(self._split(y, m))
 
-    def _apply(self, layer, inputs):
+    def _apply(self, layer, args, kwargs):
         if _is_submodel(layer):
-            return self._run(_graph_of(layer), inputs)
-        inputs = [_layer_input(layer, x) for x in inputs]
+            return self._run(_graph_of(layer), _tensors(args))
+        if not isinstance(layer, keras.layers.Layer):
+            # A keras.ops operation of the graph (the masks an Embedding computes, for example).
+            return self._generic(layer, args, kwargs)
+        kwargs, previous_mask = _with_masks(layer, args, dict(kwargs))
+        args, kwargs = tf.nest.map_structure(lambda x: _layer_input(layer, x) if _is_tensor(x) else x,
+                                             (args, kwargs))
         dtype = _weight_dtype(layer)
         self._read_dtype = None if dtype is None else tf.as_dtype(dtype)
+        name, _, apply = form_of(layer, [len(t.shape) - 1 for t in _tensors(args)])
         try:
             with AutocastScope(dtype):
-                return self._apply_layer(layer, inputs)
+                outputs = apply(self, layer, args, kwargs)
         finally:
             self._read_dtype = None
+        if layer.supports_masking:
+            self._set_output_masks(layer, args, outputs, previous_mask, generic=apply is _GENERIC_APPLY)
+        return outputs
 
-    def _apply_layer(self, layer, inputs):
-        m = self._m
-        if isinstance(layer, BaseImagePreprocessingLayer):
-            return self._per_learner(layer, inputs[0])
-        if isinstance(layer, L.Conv2D):
-            return self._grouped_conv(layer, self._merge(inputs[0]), self._w(layer.kernel), layer.strides,
-                                      layer.dilation_rate, layer.padding.upper())
-        if isinstance(layer, L.Conv1D):
-            x = inputs[0]
-            if layer.padding == "causal":
-                x = tf.pad(x, [[0, 0], [layer.dilation_rate[0] * (layer.kernel_size[0] - 1), 0], [0, 0], [0, 0]])
-            # As Keras's TensorFlow backend computes a 1-D convolution: a 2-D one of height 1.
-            x = tf.expand_dims(self._merge(x), 1)
-            kernel = tf.expand_dims(self._w(layer.kernel), 1)                # (m, 1, k, C, O)
-            padding = "VALID" if layer.padding == "causal" else layer.padding.upper()
-            y = self._grouped_conv(layer, x, kernel, (1,) + tuple(layer.strides),
-                                   (1,) + tuple(layer.dilation_rate), padding)
-            return tf.squeeze(y, 1)
-        if isinstance(layer, L.DepthwiseConv2D):
-            return self._depthwise(layer, inputs[0], layer.kernel, bias=True)
-        if isinstance(layer, L.SeparableConv2D):
-            y = self._merge(self._depthwise(layer, inputs[0], layer.depthwise_kernel, bias=False))
-            return self._grouped_conv(layer, y, self._w(layer.pointwise_kernel), 1, 1, "VALID")
-        if isinstance(layer, L.Dense):
-            x = inputs[0]
-            kernel = self._w(layer.kernel)
-            if len(x.shape) == 3:
-                y = _learners_matmul(x, kernel)
-                bias_shape = [m, 1, kernel.shape[-1]]
+    def _set_output_masks(self, layer, args, outputs, previous_mask, generic):
+        """Masks on OUTPUTS as Keras's Layer.__call__ attaches them: LAYER's compute_mask of its first
+        input and that input's mask; per learner (vectorized) for the generic form."""
+        first = args[0] if args else None
+        if generic and first is not None:
+            def one_learner(elems):
+                return layer.compute_mask(elems[0], elems[1])
+            if previous_mask is None:
+                if layer.compute_mask(self.to_stacked(first)[0], None) is None:
+                    return
+                masks = tf.vectorized_map(lambda x: layer.compute_mask(x, None), self.to_stacked(first),
+                                          fallback_to_while_loop=False)
             else:
-                y = tf.einsum("...mf,mfo->...mo", x, kernel)
-                bias_shape = [m, kernel.shape[-1]]
-            if layer.use_bias:
-                y = y + tf.reshape(self._w(layer.bias), bias_shape)
-            return layer.activation(y)
-        if isinstance(layer, L.Flatten):
-            x = inputs[0]
-            if len(x.shape) == 3:
-                return x
-            y = self._to_stacked(x)
-            size = 1
-            for d in y.shape[2:]:
-                size *= d
-            return tf.reshape(y, [m, tf.shape(y)[1], size])
-        if isinstance(layer, (L.MaxPooling2D, L.AveragePooling2D, L.MaxPooling1D, L.AveragePooling1D)):
-            pool = tf.nn.max_pool if isinstance(layer, (L.MaxPooling2D, L.MaxPooling1D)) else tf.nn.avg_pool
-            y = pool(self._merge(inputs[0]), layer.pool_size, layer.strides, layer.padding.upper())
-            return self._split(y, m)
-        if isinstance(layer, (L.GlobalAveragePooling2D, L.GlobalMaxPooling2D,
-                              L.GlobalAveragePooling1D, L.GlobalMaxPooling1D)):
-            x = inputs[0]
-            average = isinstance(layer, (L.GlobalAveragePooling2D, L.GlobalAveragePooling1D))
-            # Keras's mean, which accumulates low-precision inputs in float32.
-            reduce = keras.ops.mean if average else keras.ops.max
-            return tf.transpose(reduce(x, axis=list(range(1, len(x.shape) - 2))), [1, 0, 2])
-        if isinstance(layer, L.ZeroPadding2D):
-            (top, bottom), (left, right) = layer.padding
-            return tf.pad(inputs[0], [[0, 0], [top, bottom], [left, right], [0, 0], [0, 0]])
-        if isinstance(layer, L.ZeroPadding1D):
-            left, right = layer.padding
-            return tf.pad(inputs[0], [[0, 0], [left, right], [0, 0], [0, 0]])
-        if isinstance(layer, L.BatchNormalization):
-            return self._batch_norm(layer, inputs[0])
-        if isinstance(layer, L.Dropout):
-            return self._dropout(layer, inputs[0])
-        if isinstance(layer, (L.Add, L.Subtract, L.Multiply, L.Average, L.Maximum, L.Minimum, L.Concatenate)):
-            return layer.call(list(inputs))
-        return layer.call(inputs[0])
+                masks = tf.vectorized_map(one_learner, (self.to_stacked(first), previous_mask),
+                                          fallback_to_while_loop=False)
+        else:
+            masks = layer.compute_mask(first, previous_mask)
+        if masks is None:
+            return
+        for tensor, mask in zip(tf.nest.flatten(outputs), tf.nest.flatten(masks)):
+            if _is_tensor(tensor) and get_keras_mask(tensor) is None and mask is not None:
+                set_keras_mask(tensor, mask)
+
+    def _dense(self, layer, x):
+        """Dense on any rank: one batched matmul of (m, b, F), else an einsum over the learner axis."""
+        kernel = self._w(layer.kernel)
+        if len(x.shape) == 3:
+            y = _learners_matmul(x, kernel)
+            bias_shape = [self._m, 1, kernel.shape[-1]]
+        else:
+            y = tf.einsum("...mf,mfo->...mo", x, kernel)
+            bias_shape = [self._m, kernel.shape[-1]]
+        if layer.use_bias:
+            y = y + tf.reshape(self._w(layer.bias), bias_shape)
+        return layer.activation(y)
+
+    def _stored(self, variable):
+        # The stack in the variable's dtype: Keras's own call casts it where it reads it.
+        index = self._t_index.get(id(variable))
+        return self._weights[index] if index is not None else self._new_states[self._s_index[id(variable)]]
+
+    def _generic(self, layer, args, kwargs):
+        """LAYER's own stateless_call vectorized over the learners, each with its own weights and
+        states (seed generator states included, so each learner draws what it draws replicated).
+        Where TensorFlow cannot vectorize an op, the layer runs once per learner instead."""
+        is_layer = isinstance(layer, keras.layers.Layer)
+        trainable, state = (layer.trainable_variables, layer.non_trainable_variables) if is_layer else ([], [])
+        leaves = tf.nest.flatten((args, kwargs))
+        positions = [k for k, a in enumerate(leaves) if _is_tensor(a)]
+        if getattr(layer, "_call_has_training_arg", False):
+            kwargs = dict(kwargs, training=True)
+
+        def one_learner(elems):
+            t_values, s_values, tensors = elems
+            filled = list(tf.nest.flatten((args, kwargs)))
+            for k, t in zip(positions, tensors, strict=True):
+                filled[k] = t
+            call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
+            if not is_layer:
+                return layer.call(*call_args, **call_kwargs), []
+            with _training_context(layer):
+                return layer.stateless_call(list(t_values), list(s_values), *call_args, **call_kwargs)
+        elems = ([self._stored(v) for v in trainable], [self._stored(v) for v in state],
+                 [self.to_stacked(leaves[k]) for k in positions])
+        try:
+            outputs, new_states = tf.vectorized_map(one_learner, elems, fallback_to_while_loop=False)
+        except (ValueError, NotImplementedError, TypeError) as e:
+            self._not_vectorized[layer.name] = f"{type(layer).__name__}: {_first_line(e)}"
+            per_learner = [one_learner(tf.nest.map_structure(lambda t: t[i], elems)) for i in range(self._m)]
+            outputs = tf.nest.map_structure(lambda *ys: tf.stack(ys), *[p[0] for p in per_learner])
+            new_states = [tf.stack(values) for values in zip(*[p[1] for p in per_learner])] if state else []
+        for variable, value in zip(state, new_states, strict=True):
+            self.set_state(variable, value)
+        return tf.nest.map_structure(self.to_fused, outputs)
+
+    # ---- the context of the form modules (see FORMS_API) ----------------------------------
+    @property
+    def m(self):
+        return self._m
+
+    def weight(self, variable):
+        return self._w(variable)
+
+    def set_state(self, variable, value):
+        self._new_states[self._s_index[id(variable)]] = value
+
+    def dropout(self, dropout_layer, x):
+        return self._dropout(dropout_layer, x)
+
+    def to_stacked(self, x):
+        return self._to_stacked(x)
+
+    def to_fused(self, x):
+        return self._to_fused(x)
 
     def _depthwise(self, layer, x, kernel_variable, bias):
         """A depthwise convolution of every learner's channels at once: the filter of learner i's
@@ -477,8 +503,8 @@ class FusedLearners:
     # ---- the learners ----------------------------------------------------------------------
     def _run(self, graph, inputs):
         return graph._run_through_graph(
-            _graph_input(graph, inputs), operation_fn=lambda layer: (lambda *args, **kwargs: self._apply(layer, [
-                a for a in tf.nest.flatten(args) if isinstance(a, (tf.Tensor, tf.Variable))])))
+            _graph_input(graph, inputs),
+            operation_fn=lambda layer: (lambda *args, **kwargs: self._apply(layer, args, kwargs)))
 
     def forward(self, weights, states, x):
         """Outputs of every learner, stacked (m, b, ...), and the new states."""
@@ -487,9 +513,17 @@ class FusedLearners:
         self._read_dtype = None
         outputs = self._run(self.graph, [self._to_fused(t) for t in tf.nest.flatten(x)])
         outputs = tf.nest.map_structure(self._to_stacked, outputs)
+        self._announce_not_vectorized()
         new_states = self._new_states
         self._weights = self._states = self._new_states = None
         return outputs, new_states
+
+    def _announce_not_vectorized(self):
+        if self._not_vectorized and self.model not in _ANNOUNCED:
+            _ANNOUNCED.add(self.model)
+            log.warning("crossbow_tf: these layers run once per learner (TensorFlow cannot vectorize an op "
+                        "of theirs over the learners): %s", "; ".join(
+                            f"layer {name!r} ({why})" for name, why in self._not_vectorized.items()))
 
     def __call__(self, weights, states, x, y, mask, scale=None):
         with tf.GradientTape() as tape:
