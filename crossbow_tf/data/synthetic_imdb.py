@@ -18,6 +18,9 @@ NEGATIVE = np.arange(70, 120)
 
 def _review(rng, label, length):
     ranks = np.minimum(rng.zipf(1.3, size=length), VOCABULARY - 1)
+    # Only planted words carry sentiment: a neutral draw of a sentiment rank moves past them.
+    sentiment = (ranks >= POSITIVE[0]) & (ranks <= NEGATIVE[-1])
+    ranks[sentiment] += NEGATIVE[-1] + 1 - POSITIVE[0]
     own, other = (POSITIVE, NEGATIVE) if label else (NEGATIVE, POSITIVE)
     planted = max(2, length // 8)
     places = rng.choice(length, size=planted + planted // 2, replace=False)
