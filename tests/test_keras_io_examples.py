@@ -82,3 +82,56 @@ def test_callbacks_see_the_same_hooks_and_logs(runs):
     hooks = [c[0] for c in plain["basic example"]]
     for hook in ("on_train_batch_end", "on_test_batch_end", "on_predict_batch_end", "on_epoch_end"):
         assert hook in hooks
+
+
+NLP_SCRIPTS = ("text_classification_with_transformer", "bidirectional_lstm_imdb")
+
+
+@pytest.fixture(scope="module")
+def nlp_runs():
+    # keras-io's two IMDB scripts on the offline token task (crossbow_tf.data.synthetic_imdb), short
+    # form: 256 reviews of at most 40 ids, 1 epoch; --require-fused exits 1 exactly when an SMA run
+    # logged the engine's "learners run replicated" notice.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "keras_io_examples.py"), "--short",
+                           "--scripts", *NLP_SCRIPTS, "--require-fused"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    runs = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
+    return proc, runs
+
+
+@pytest.mark.parametrize("name", NLP_SCRIPTS)
+def test_nlp_scripts_run_every_step_with_sma(nlp_runs, name):
+    _, runs = nlp_runs
+    plain, sma = runs[name]["plain"]["outcome"], runs[name]["sma"]["outcome"]
+    assert list(plain) == list(sma) == ["build", "compile and fit", "evaluate"]
+    assert set(plain.values()) == set(sma.values()) == {"ok"}, (plain, sma)
+    assert runs[name]["plain"]["replicated_notices"] == []     # plain Keras has no learners
+
+
+def test_require_fused_fails_exactly_when_a_notice_was_logged(nlp_runs):
+    proc, runs = nlp_runs
+    notices = {name: runs[name]["sma"]["replicated_notices"] for name in NLP_SCRIPTS}
+    assert proc.returncode == (1 if any(notices.values()) else 0), proc.stderr[-2000:]
+    for name, lines in notices.items():
+        assert all("learners run replicated" in line and "layer '" in line for line in lines), lines
+        assert (f"{name}: SMA's learners ran replicated" in proc.stderr) == bool(lines)
+
+
+def test_synthetic_imdb_has_keras_imdb_conventions_and_a_learnable_rule():
+    import numpy as np
+
+    from crossbow_tf.data.synthetic_imdb import NEGATIVE, POSITIVE, load_synthetic_imdb
+    (x, y), (xt, yt) = load_synthetic_imdb(num_words=1000, maxlen=100, seed=3, train_size=300, test_size=50)
+    again = load_synthetic_imdb(num_words=1000, maxlen=100, seed=3, train_size=300, test_size=50)
+    assert x.dtype == object and len(x) == len(y) == 300 and len(xt) == len(yt) == 50
+    assert all(review == other for review, other in zip(x, again[0][0], strict=True))
+    assert all(review[0] == 1 and 2 <= min(review[1:]) and max(review) < 1000 and len(review) <= 100
+               for review in x)
+    assert any(2 in review for review in x)       # words ranked beyond num_words are oov
+    assert set(np.unique(y)) == {0, 1}
+    # The rule: the label's kind of sentiment word outnumbers the other kind (ids = rank + 3).
+    positive, negative = set((POSITIVE + 3).tolist()), set((NEGATIVE + 3).tolist())
+    (whole, labels), _ = load_synthetic_imdb(num_words=1000, seed=3, train_size=300, test_size=1)
+    votes = [sum(w in positive for w in r) > sum(w in negative for w in r) for r in whole]
+    assert np.mean(np.array(votes) == (labels == 1)) > 0.95
