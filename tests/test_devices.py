@@ -247,3 +247,37 @@ def test_a_checkpoint_of_another_device_count_is_refused(cpu_devices, tmp_path):
     with pytest.raises(CheckpointError) as e:
         fewer.restore_newest(RunResults("t", env={}), log=lambda *a: None)
     assert str(e.value) == message
+
+
+# ---------------------------------------------------------------------------------------------
+# The auto-tuner and cuDNN's forms of "out of memory".
+
+CUDNN_ERRORS = [tf.errors.NotFoundError(None, None, "No algorithm worked!  Error messages: Profiling failure on "
+                                                    "CUDNN engine 1: RESOURCE_EXHAUSTED: Out of memory"),
+                tf.errors.UnknownError(None, None, "Failed to get convolution algorithm. This is probably because "
+                                                   "cuDNN failed to initialize")]
+
+
+@pytest.mark.parametrize("error", CUDNN_ERRORS, ids=["no_algorithm_worked", "failed_to_get_algorithm"])
+def test_cudnn_out_of_memory_is_does_not_fit_for_the_tuner(error, cpu_devices, monkeypatch):
+    from crossbow_tf.engine import autotune, core
+
+    def trial(m):   # a GPU whose convolutions find no algorithm that fits from 3 learners on
+        if m >= 3:
+            raise error
+        return 100.0 * m
+    result = autotune.choose_learners(trial, threshold=0.1, max_learners=4)
+    assert (result.chosen, result.curve, result.stopped) == (2, {1: 100.0, 2: 200.0, 3: None},
+                                                             "m=3 does not fit in memory")
+    # The real measurement turns it into DoesNotFit, as it does ResourceExhaustedError.
+    monkeypatch.setattr(core, "Engine", lambda *args, **kwargs: (_ for _ in ()).throw(error))
+    x, y = toy_batch(64)
+    data = from_arrays("toy", (x, y), (x, y), num_classes=3)
+    with pytest.raises(autotune.DoesNotFit, match="^3 learners per device: "):
+        autotune.measure_throughput(lambda: keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)]), LOSS,
+                                    SMA(), cpu_devices[:1], data.train, 4, 3)
+    # The same exception types with other messages are real errors, not a full device.
+    other = type(error)(None, None, "a file is missing")
+    assert autotune.is_out_of_memory(error) and not autotune.is_out_of_memory(other)
+    with pytest.raises(type(error), match="a file is missing"):
+        autotune.choose_learners(lambda m: (_ for _ in ()).throw(other) if m == 2 else 100.0)

@@ -173,7 +173,9 @@ class Cluster:
         return collective_ops.all_reduce_v2(
             tensor, group_size=self.num_workers, group_key=self.group_key(device), instance_key=instance_key,
             merge_op=merge_op, final_op="Id", timeout=self.timeout if timeout is None else timeout,
-            ordering_token=ordering_token)
+            ordering_token=ordering_token,
+            # Between GPUs NCCL, as MultiWorkerMirroredStrategy's; without the hint a gRPC ring.
+            communication_hint="NCCL" if _device_type(device) == "GPU" else "auto")
 
     def _eager_reduce(self, array, merge_op):
         """ARRAY reduced over the workers, waiting as long as every peer is alive (see _eager)."""

@@ -35,12 +35,24 @@ class DoesNotFit(CrossbowError):
     """m learners per device do not fit in the device's memory."""
 
 
-def _out_of_memory_errors():
-    errors = (DoesNotFit, MemoryError)
+# cuDNN under memory pressure finds no convolution algorithm whose workspace fits, and says so in
+# these words (TensorFlow's conv kernels: NotFoundError and UnknownError, not ResourceExhaustedError).
+CUDNN_OUT_OF_MEMORY = {"NotFoundError": "No algorithm worked",
+                       "UnknownError": "Failed to get convolution algorithm"}
+
+
+def is_out_of_memory(error):
+    """Whether ERROR says that what was tried does not fit in the device's memory: DoesNotFit,
+    MemoryError, TensorFlow's ResourceExhaustedError, or cuDNN's two forms of it."""
+    if isinstance(error, (DoesNotFit, MemoryError)):
+        return True
     tf = sys.modules.get("tensorflow")   # the decision rule itself needs no TensorFlow
-    if tf is not None:
-        errors += (tf.errors.ResourceExhaustedError,)
-    return errors
+    if tf is None or not isinstance(error, tf.errors.OpError):
+        return False
+    if isinstance(error, tf.errors.ResourceExhaustedError):
+        return True
+    return any(isinstance(error, getattr(tf.errors, name)) and words in str(error)
+               for name, words in CUDNN_OUT_OF_MEMORY.items())
 
 
 @dataclasses.dataclass
@@ -88,7 +100,8 @@ def choose_learners(throughput_of, threshold=DEFAULT_THRESHOLD, max_learners=DEF
     THROUGHPUT_OF(m) returns images/s with m learners per device and is called lazily, in order
     m = 1, 2, ..., never beyond the first m whose gain over m-1 is not more than THRESHOLD (a
     fraction: 0.1 is 10%), nor beyond MAX_LEARNERS. An out-of-memory error from it (DoesNotFit,
-    MemoryError, tf.errors.ResourceExhaustedError) means m does not fit: m-1 is kept.
+    MemoryError, tf.errors.ResourceExhaustedError, cuDNN's "No algorithm worked" and "Failed to get
+    convolution algorithm": ``is_out_of_memory``) means m does not fit: m-1 is kept.
 
     Returns a TuningResult (chosen m, the measured curve, the reason for stopping).
     """
@@ -96,7 +109,6 @@ def choose_learners(throughput_of, threshold=DEFAULT_THRESHOLD, max_learners=DEF
         raise ValueError(f"max_learners must be a positive integer, got {max_learners!r}")
     if not (isinstance(threshold, (int, float)) and threshold >= 0 and math.isfinite(threshold)):
         raise ValueError(f"threshold must be a non-negative number, got {threshold!r}")
-    oom = _out_of_memory_errors()
     curve = {}
     start = time.perf_counter()
 
@@ -106,7 +118,9 @@ def choose_learners(throughput_of, threshold=DEFAULT_THRESHOLD, max_learners=DEF
 
     try:
         best = _checked(throughput_of(1), 1)
-    except oom as e:
+    except Exception as e:   # noqa: BLE001 - only out-of-memory is handled; anything else goes on up
+        if not is_out_of_memory(e):
+            raise
         # Nothing smaller to fall back to: training itself would fail the same way.
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DoesNotFit(f"one learner per device does not fit in the device's memory ({detail})") from None
@@ -115,7 +129,9 @@ def choose_learners(throughput_of, threshold=DEFAULT_THRESHOLD, max_learners=DEF
     while m < max_learners:
         try:
             t = _checked(throughput_of(m + 1), m + 1)
-        except oom:
+        except Exception as e:   # noqa: BLE001 - as above
+            if not is_out_of_memory(e):
+                raise
             curve[m + 1] = None
             return result(m, f"m={m + 1} does not fit in memory")
         curve[m + 1] = t
@@ -172,7 +188,9 @@ def measure_throughput(model, loss, algorithm, devices, split, batch_size, learn
             if i >= warmup_iterations:
                 rates.append(float(np.sum(mask)) / (time.perf_counter() - started))
         return statistics.median(rates)
-    except tf.errors.ResourceExhaustedError as e:
+    except tf.errors.OpError as e:
+        if not is_out_of_memory(e):
+            raise
         raise DoesNotFit(f"{learners_per_device} learners per device: {str(e).splitlines()[0]}") from None
     finally:
         # The next, larger trial needs the memory this one holds.
