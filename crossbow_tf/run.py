@@ -154,9 +154,6 @@ def run(args, log=print, stop_signals=None):
         log(f"{args.config}: valid; {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} "
             f"test), {cfg.algorithm.name}, batch {cfg.batch_size} per learner, {plural(cfg.epochs, 'epoch')}")
         return None
-    # The data as --check reads it, so that a data set --check refuses is refused here in the same line
-    # before any device is made (the arrays are read again by the run: a second or two at most).
-    check_data(cfg, build=False)
     from crossbow_tf.experiment import run_experiment
     try:
         results = run_experiment(cfg, log=log, resume=args.resume, stop_signals=stop_signals, cluster=cluster)
