@@ -259,7 +259,7 @@ def test_yaml_optimizer_key_errors_are_one_line_with_exit_2(tmp_path, capsys):
     for optimizer, message in (({"name": "lamb"}, "optimizer.name: lamb cannot be the learners' optimizer"),
                                ({"name": "adm"}, "optimizer.name: unknown optimizer 'adm'"),
                                ({"name": "adam", "learning_rate": 0.1}, "optimizer.learning_rate: the learning rate"),
-                               ({"name": "adam", "betta_1": 0.9}, "Adam refuses {'betta_1': 0.9}"),
+                               ({"name": "adam", "betta_1": 0.9}, "optimizer.betta_1: Adam takes no argument 'betta_1'"),
                                ({"name": "adam", "use_ema": True}, "Adam(use_ema=True) is not supported")):
         config = write_config(tmp_path / "c.yaml", optimizer=optimizer, devices={"logical_cpu": 4},
                               learners_per_device=1, epochs=1)

@@ -7,6 +7,7 @@ form whose reason is None applies the layer; hand-written forms come before the 
 takes any remaining layer (its own ``stateless_call`` vectorized over the learners).
 """
 import importlib
+import inspect
 
 import keras
 import numpy as np
@@ -198,7 +199,24 @@ def _reason_generic(layer, ranks):
         return "a nested model is walked, not applied"
     if not isinstance(layer, (keras.layers.Layer, keras.Operation)):
         return "it is neither a Keras layer nor a Keras operation"
+    if _adds_losses(layer):
+        return "it adds losses with add_loss, which the vectorized call does not collect per learner"
     return None
+
+
+def _adds_losses(layer):
+    """Whether LAYER's class (or a layer class it holds) calls add_loss in its own code: its losses
+    are the model's, and a vectorized stateless_call would drop them."""
+    classes = {type(layer)} | {type(sub) for sub in getattr(layer, "_flatten_layers", lambda: [])()}
+    for cls in classes:
+        if cls.__module__.startswith("keras."):
+            continue
+        try:
+            if "add_loss" in inspect.getsource(cls):
+                return True
+        except (OSError, TypeError):   # no source to read (built in C, made in a notebook cell)
+            continue
+    return False
 
 
 def apply_generic(ctx, layer, args, kwargs):
