@@ -58,14 +58,17 @@ def gpu_verdict(facts):
     """Verdict on the GPUs: ok with the GPUs TensorFlow sees; else why it sees none, FAILED where the
     machine has GPUs that TensorFlow cannot use, skipped where there are none (or they are hidden)."""
     build = f"CUDA {facts.cuda_version}, cuDNN {facts.cudnn_version}" if facts.built_with_cuda else ""
+    smi, visible = facts.nvidia_smi_gpus, facts.cuda_visible_devices
     if facts.tensorflow_gpus:
         detail = f"{len(facts.tensorflow_gpus)} x GPU: {', '.join(facts.tensorflow_gpus)}"
+        if smi and visible is None and len(smi) > len(facts.tensorflow_gpus):
+            detail += (f"; nvidia-smi lists {len(smi)}: TensorFlow ignores GPUs below its minimum compute "
+                       "capability (--verbose shows which)")
         return Verdict(OK, detail + (f"; TensorFlow built with {build}" if build else ""))
-    hidden = facts.cuda_visible_devices is not None and not [
-        g for g in facts.cuda_visible_devices.split(",") if g.strip() and not g.strip().startswith("-")]
-    smi = facts.nvidia_smi_gpus
+    ids = [g.strip() for g in (visible or "").split(",") if g.strip()]
+    hidden = visible is not None and not [g for g in ids if not g.startswith("-")]
     if hidden:
-        return Verdict(SKIPPED, f"CUDA_VISIBLE_DEVICES={facts.cuda_visible_devices!r} hides every GPU"
+        return Verdict(SKIPPED, f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
                        + (f" (nvidia-smi lists {len(smi)}); unset it, or name the GPUs to use" if smi else ""))
     if not smi:
         where = "nvidia-smi is not on PATH" if smi is None else "nvidia-smi lists none"
@@ -73,6 +76,11 @@ def gpu_verdict(facts):
                  "; this TensorFlow has no CUDA support" if not facts.built_with_cuda else "")
         return Verdict(SKIPPED, f"no GPU on this machine ({where}, TensorFlow sees none){wheel}; "
                        "training runs on the CPU")
+    missing = [g for g in ids if g.isdigit() and int(g) >= len(smi)]
+    if missing and visible is not None:
+        return Verdict(FAILED, f"CUDA_VISIBLE_DEVICES={visible!r} names GPU {missing[0]}, but nvidia-smi lists "
+                       f"{len(smi)} (ids 0-{len(smi) - 1}), and CUDA stops at the first id it cannot use: name "
+                       "existing GPUs")
     machine = f"nvidia-smi lists {len(smi)} GPU(s) ({smi[0]}{', ...' if len(smi) > 1 else ''}) but TensorFlow sees none"
     if facts.cpu_wheel:
         return Verdict(FAILED, f"{machine}: the CPU build tensorflow-cpu is installed; "
@@ -213,7 +221,8 @@ def _each_device(ctx, run):
 
 
 def _first_line(error):
-    text = str(error).strip()
+    # TensorFlow prefixes an op's error with the graph node it ran in: noise for the reader here.
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error)).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
@@ -242,13 +251,14 @@ def check_xla(ctx):
 
 
 def _sum_check(cross_device_ops, devices):
-    """Sums a distinct power of ten per device with CROSS_DEVICE_OPS: None if every device receives
-    the exact total, else what it received."""
+    """Sums a distinct power of two per device with CROSS_DEVICE_OPS (exact in float32 up to 24 devices,
+    and a device left out shows in the total): None if every device receives the exact total, else
+    what it received."""
     import numpy as np
     import tensorflow as tf
 
     from crossbow_tf.distribute.reduce import all_reduce_sum
-    values = [10.0 ** d for d in range(len(devices))]
+    values = [2.0 ** d for d in range(len(devices))]
 
     @tf.function(autograph=False)
     def reduce():
@@ -331,15 +341,19 @@ def check_grouped_conv(ctx):
 
     def compare(device):
         got, want = grads(device, True), grads(device, False)
+        # Relative to each tensor's largest value: cuDNN on Ampere and later convolves in TensorFloat-32
+        # (10-bit mantissa) by default, and the two forms may take different algorithms; learners' groups
+        # mixed up would be off by the order of the values themselves.
         bad = [name for name, g, w in zip(("output", "input gradient", "filter gradient"), got, want, strict=True)
-               if not np.allclose(g, w, rtol=1e-4, atol=1e-3)]
+               if g.shape != w.shape or np.abs(g - w).max() > 1e-2 * np.abs(w).max()]
         return f"{', '.join(bad)} differ from one convolution per learner" if bad else None
     failure = _each_device(ctx, compare)
     library = "cuDNN" if ctx.device_type == "GPU" else "oneDNN"
     if failure is None:
         return Verdict(OK, f"{m} learners' grouped conv2d and its gradients on {len(ctx.devices)} device(s) ({library})")
     device, problem = failure
-    advice = ("TensorFlow's own CPU kernels have no grouped filter gradient: leave TF_ENABLE_ONEDNN_OPTS unset or 1"
+    advice = ("TensorFlow's own CPU kernels have no gradients of a grouped convolution, oneDNN's do: leave "
+              "TF_ENABLE_ONEDNN_OPTS unset or 1"
               if ctx.device_type == "CPU" else "check that cuDNN loads (pip install 'tensorflow[and-cuda]')")
     return Verdict(FAILED, f"grouped convolution on {device}: {problem}; {advice}; until then convolutional models "
                    "train as replicated learners (one call per learner), slower")
@@ -490,7 +504,7 @@ def main(argv=None):
     failed = [n for n, v in verdicts.items() if v.status == FAILED]
     skipped = [n for n, v in verdicts.items() if v.status == SKIPPED]
     summary = f"{len(failed)} FAILED ({', '.join(failed)})" if failed else "nothing failed"
-    print(f"crossbow-doctor: {len(verdicts)} checks, {summary}, {len(skipped)} skipped "
+    print(f"crossbow-doctor: {len(verdicts)} check(s), {summary}, {len(skipped)} skipped "
           f"({time.perf_counter() - start:.0f} s); docs/gpu.md says what each verdict means")
     return 1 if failed else 0
 

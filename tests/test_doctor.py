@@ -15,9 +15,9 @@ from crossbow_tf.doctor import FAILED, OK, SKIPPED, GpuFacts, gpu_verdict
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_doctor(*args):
+def run_doctor(*args, env=None):
     # CUDA_VISIBLE_DEVICES is emptied by conftest.py and inherited: the doctor sees the CPU only.
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     return subprocess.run([sys.executable, "-m", "crossbow_tf.doctor", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
 
@@ -41,7 +41,17 @@ def test_every_check_has_its_verdict_line_and_nothing_fails_on_this_cpu():
     assert "one_device and hierarchical_copy gave the exact sum on each of 2 devices" in lines["all-reduce"]
     for policy in doctor.PRECISIONS:
         assert "two fused SMA steps of 4 learners on 2 device(s), z the same on each" in lines[policy]
-    assert result.stdout.splitlines()[-1].startswith("crossbow-doctor: 10 checks, nothing failed, 2 skipped")
+    assert result.stdout.splitlines()[-1].startswith("crossbow-doctor: 10 check(s), nothing failed, 2 skipped")
+
+
+def test_grouped_convolution_without_onednn_is_failed_with_what_to_do():
+    # TensorFlow's own CPU kernels compute no gradient of a grouped convolution (issue 30, item 4).
+    result = run_doctor("--only", "grouped-conv", env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = verdict_lines(result.stdout)["grouped-conv"]
+    assert line.startswith("grouped-conv    FAILED: grouped convolution on /device:CPU:0: InvalidArgumentError: "
+                           "Gradients for grouped convolutions are not supported on CPU")
+    assert "TF_ENABLE_ONEDNN_OPTS unset or 1" in line and "replicated learners" in line
 
 
 @pytest.mark.parametrize("args, named", [
@@ -75,9 +85,9 @@ def test_a_reduction_that_drops_a_device_is_failed_and_exit_1(monkeypatch, capsy
     assert doctor.main(["--logical-cpu", "4", "--only", "devices", "all-reduce"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("devices         ok (4 x CPU (logical)")
-    assert out[1].startswith("all-reduce      FAILED: one_device over 4 devices: expected 1111 on every device, "
-                             "got /device:CPU:0: 111, ")
-    assert out[-1].startswith("crossbow-doctor: 2 checks, 1 FAILED (all-reduce), 0 skipped")
+    assert out[1].startswith("all-reduce      FAILED: one_device over 4 devices: expected 15 on every device, "
+                             "got /device:CPU:0: 7, ")
+    assert out[-1].startswith("crossbow-doctor: 2 check(s), 1 FAILED (all-reduce), 0 skipped")
 
 
 def test_a_check_that_raises_is_failed_with_its_error(monkeypatch, capsys):
@@ -123,8 +133,12 @@ SMI = ("GPU 0: NVIDIA A100-SXM4-80GB", "GPU 1: NVIDIA A100-SXM4-80GB")
     (GpuFacts((), None, True, False, None), SKIPPED, ["nvidia-smi is not on PATH", "tensorflow-cpu",
                                                      "training runs on the CPU"]),
     (GpuFacts((), None, False, True, ()), SKIPPED, ["nvidia-smi lists none"]),
+    (GpuFacts((), "2,3", False, True, SMI, "12.5", "9"), FAILED, ["CUDA_VISIBLE_DEVICES='2,3' names GPU 2",
+                                                                 "nvidia-smi lists 2 (ids 0-1)"]),
+    (GpuFacts(("NVIDIA A100-SXM4-80GB (compute capability 8.0)",), None, False, True, SMI + ("GPU 2: Tesla K10",),
+              "12.5", "9"), OK, ["1 x GPU", "nvidia-smi lists 3", "minimum compute capability"]),
 ], ids=["seen", "hidden-empty", "hidden-minus-one", "cpu-wheel", "no-cuda-build", "libraries-missing",
-        "no-gpu-cpu-wheel", "no-gpu"])
+        "no-gpu-cpu-wheel", "no-gpu", "ids-beyond-the-gpus", "some-ignored"])
 def test_why_no_gpu(facts, status, words):
     verdict = gpu_verdict(facts)
     assert verdict.status == status and all(w in verdict.detail for w in words), verdict
