@@ -201,8 +201,8 @@ def check_gpu(ctx):
 
 
 def check_devices(ctx):
-    from crossbow_tf.device_choice import describe_devices
-    what = describe_devices(ctx.device_type, ctx.devices, logical=ctx.device_type == "CPU")
+    from crossbow_tf.device_choice import device_line
+    what = device_line(ctx.devices)   # as a run's start line names them
     rule = ("every visible GPU, as a run" if ctx.device_type == "GPU" else
             "no GPU: the CPU split by --logical-cpu, as a run by devices.logical_cpu")
     return Verdict(OK, f"{what}: {', '.join(ctx.devices)}; {rule}")
