@@ -34,10 +34,11 @@ class Verdict:
     detail: str = ""
 
     def line(self, check):
-        text = self.status if self.status != SKIPPED else "skipped"
-        separator = " " if self.status == OK else ": "
-        detail = (f"({self.detail})" if self.status == OK else self.detail) if self.detail else ""
-        return f"{check:<15} {text}{separator if detail else ''}{detail}"
+        """"CHECK   ok (detail)", "CHECK   skipped: why" or "CHECK   FAILED: why; what to do"."""
+        if not self.detail:
+            return f"{check:<15} {self.status}"
+        return f"{check:<15} {self.status} ({self.detail})" if self.status == OK else \
+            f"{check:<15} {self.status}: {self.detail}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def gpu_verdict(facts):
         return Verdict(SKIPPED, f"no GPU on this machine ({where}, TensorFlow sees none){wheel}; "
                        "training runs on the CPU")
     missing = [g for g in ids if g.isdigit() and int(g) >= len(smi)]
-    if missing and visible is not None:
+    if missing:
         return Verdict(FAILED, f"CUDA_VISIBLE_DEVICES={visible!r} names GPU {missing[0]}, but nvidia-smi lists "
                        f"{len(smi)} (ids 0-{len(smi) - 1}), and CUDA stops at the first id it cannot use: name "
                        "existing GPUs")
@@ -242,9 +243,10 @@ def check_xla(ctx):
         where = f"; {tools}" if tools else " (ptxas and libdevice are needed on GPUs only)"
         return Verdict(OK, f"a jit_compile function compiled and ran on {len(ctx.devices)} device(s){where}")
     device, problem = failure
-    advice = ("set XLA_FLAGS=--xla_gpu_cuda_data_dir=/path/to/cuda (the folder with bin/ptxas and "
-              "nvvm/libdevice/libdevice.10.bc), or pip install nvidia-cuda-nvcc-cu12; " if ctx.device_type == "GPU"
-              and (not ptxas or not libdevice or re.search("ptxas|libdevice", problem, re.I)) else "")
+    advice = ""
+    if ctx.device_type == "GPU" and (not ptxas or not libdevice or re.search("ptxas|libdevice", problem, re.I)):
+        advice = ("set XLA_FLAGS=--xla_gpu_cuda_data_dir=/path/to/cuda (the folder with bin/ptxas and "
+                  "nvvm/libdevice/libdevice.10.bc), or pip install nvidia-cuda-nvcc-cu12; ")
     return Verdict(FAILED, f"XLA on {device}: {problem}{'; ' + tools if tools else ''}; {advice}until then "
                    "runs fall back to the update without XLA (one line at the first step); jit_update: false "
                    "skips the attempt")
@@ -270,7 +272,9 @@ def _sum_check(cross_device_ops, devices):
     got = [r.numpy() for r in reduce()]
     want = np.full([4], sum(values), np.float32)
     wrong = [f"{d}: {g[0]:g}" for d, g in zip(devices, got, strict=True) if not np.array_equal(g, want)]
-    return f"expected {want[0]:g} on every device, got {', '.join(wrong)}" if wrong or len(got) != len(devices) else None
+    if wrong or len(got) != len(devices):
+        return f"expected {want[0]:g} on every device, got {', '.join(wrong)}"
+    return None
 
 
 def check_nccl(ctx):
@@ -306,7 +310,10 @@ def check_all_reduce(ctx):
             refused.append(reduction)
             continue
         name, ops = cross_device_ops_for(ctx.devices, reduction)
-        problem = _sum_check(ops, ctx.devices)
+        try:
+            problem = _sum_check(ops, ctx.devices)
+        except Exception as e:   # noqa: BLE001
+            problem = _first_line(e)
         if problem:
             return Verdict(FAILED, f"{name} over {len(ctx.devices)} devices: {problem}; report it with this "
                            "output, and set devices.cross_device_reduction to another reduction")
@@ -350,7 +357,8 @@ def check_grouped_conv(ctx):
     failure = _each_device(ctx, compare)
     library = "cuDNN" if ctx.device_type == "GPU" else "oneDNN"
     if failure is None:
-        return Verdict(OK, f"{m} learners' grouped conv2d and its gradients on {len(ctx.devices)} device(s) ({library})")
+        return Verdict(OK, f"{m} learners' grouped conv2d and its gradients on {len(ctx.devices)} device(s) "
+                       f"({library})")
     device, problem = failure
     advice = ("TensorFlow's own CPU kernels have no gradients of a grouped convolution, oneDNN's do: leave "
               "TF_ENABLE_ONEDNN_OPTS unset or 1"
@@ -426,7 +434,8 @@ def check_precision(policy):
             return Verdict(FAILED, f"fused SMA steps under {policy}: {problem}; run float32 (precision: float32) "
                            "and report this output")
         learners = len(ctx.devices) * LEARNERS_PER_DEVICE
-        return Verdict(OK, f"two fused SMA steps of {learners} learners on {len(ctx.devices)} device(s), z the same on each")
+        return Verdict(OK, f"two fused SMA steps of {learners} learners on {len(ctx.devices)} device(s), "
+                       "z the same on each")
     return check
 
 
@@ -454,7 +463,8 @@ def parse_args(argv):
 
     p = cli.OneLineParser(prog="crossbow-doctor", description=__doc__.splitlines()[0])
     p.add_argument("--logical-cpu", type=logical_cpu, default=None, metavar="N",
-                   help=f"on a machine without GPUs, split the CPU into N logical devices (default {DEFAULT_LOGICAL_CPU})")
+                   help="on a machine without GPUs, split the CPU into N logical devices "
+                        f"(default {DEFAULT_LOGICAL_CPU})")
     p.add_argument("--only", nargs="+", metavar="CHECK", choices=list(CHECKS),
                    help=f"run only these checks ({', '.join(CHECKS)})")
     cli.add_verbose_flag(p)
@@ -493,7 +503,12 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cli.quiet_tensorflow(args.verbose)
     start = time.perf_counter()
-    cli.import_tensorflow(args.verbose)
+    try:
+        cli.import_tensorflow(args.verbose)
+    except Exception as e:   # noqa: BLE001  (a broken install is the first thing a doctor must name)
+        print(Verdict(FAILED, f"TensorFlow does not import: {_first_line(e)}; reinstall in a fresh environment: "
+                      "pip install 'crossbow_tf[gpu]' (or [cpu] on a machine without GPUs)").line("tensorflow"))
+        return 1
     from crossbow_tf.errors import CrossbowError
     try:
         ctx = make_context(args.logical_cpu)

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_doctor(*args, env=None):
     # CUDA_VISIBLE_DEVICES is emptied by conftest.py and inherited: the doctor sees the CPU only.
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     return subprocess.run([sys.executable, "-m", "crossbow_tf.doctor", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
 
@@ -52,6 +52,18 @@ def test_grouped_convolution_without_onednn_is_failed_with_what_to_do():
     assert line.startswith("grouped-conv    FAILED: grouped convolution on /device:CPU:0: InvalidArgumentError: "
                            "Gradients for grouped convolutions are not supported on CPU")
     assert "TF_ENABLE_ONEDNN_OPTS unset or 1" in line and "replicated learners" in line
+
+
+def test_tensorflow_that_does_not_import_is_failed_not_a_traceback(tmp_path):
+    broken = tmp_path / "tensorflow"
+    broken.mkdir()
+    (broken / "__init__.py").write_text('raise ImportError("libcudart.so.12: cannot open shared object file")\n')
+    result = run_doctor(env={"PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.splitlines() == [
+        "tensorflow      FAILED: TensorFlow does not import: ImportError: libcudart.so.12: cannot open shared "
+        "object file; reinstall in a fresh environment: pip install 'crossbow_tf[gpu]' (or [cpu] on a machine "
+        "without GPUs)"]
 
 
 @pytest.mark.parametrize("args, named", [
