@@ -125,6 +125,17 @@ def test_a_precision_step_that_leaves_devices_apart_is_failed(monkeypatch, cpu_d
     assert verdict.status == FAILED and "z differs between /device:CPU:0 and /device:CPU:1" in verdict.detail
 
 
+def test_mixed_precision_is_skipped_below_the_compute_capability_it_needs(cpu_devices, monkeypatch):
+    monkeypatch.setattr(doctor, "precision_step", lambda *args, **kwargs: "ran")   # any run would be FAILED
+    pascal = doctor.Context(cpu_devices[:2], "GPU", [(6, 1), (6, 1)])
+    turing = doctor.Context(cpu_devices[:2], "GPU", [(7, 5), (7, 5)])
+    assert doctor.CHECKS["mixed_float16"](pascal) == doctor.Verdict(
+        SKIPPED, "mixed_float16 needs compute capability 7.0 for its speed; these GPUs have 6.1: train in float32")
+    assert doctor.CHECKS["mixed_bfloat16"](turing).detail.startswith("mixed_bfloat16 needs compute capability 8.0")
+    # Where the GPUs have it, and for float32 always, the step runs.
+    assert doctor.CHECKS["mixed_float16"](turing).status == doctor.CHECKS["float32"](pascal).status == FAILED
+
+
 # ---------------------------------------------------------------------------------------------
 # Why no GPU, from given facts.
 
