@@ -240,7 +240,7 @@ def check_xla(ctx):
         return None if np.allclose(got, want, rtol=1e-5) else f"wrong result on {device}"
     failure = _each_device(ctx, compile_on)
     if failure is None:
-        where = f"; {tools}" if tools else " (ptxas and libdevice are needed on GPUs only)"
+        where = f"; {tools}" if tools else "; ptxas and libdevice are needed on GPUs only"
         return Verdict(OK, f"a jit_compile function compiled and ran on {len(ctx.devices)} device(s){where}")
     device, problem = failure
     advice = ""
@@ -357,8 +357,8 @@ def check_grouped_conv(ctx):
     failure = _each_device(ctx, compare)
     library = "cuDNN" if ctx.device_type == "GPU" else "oneDNN"
     if failure is None:
-        return Verdict(OK, f"{m} learners' grouped conv2d and its gradients on {len(ctx.devices)} device(s) "
-                       f"({library})")
+        return Verdict(OK, f"{m} learners' grouped conv2d and its gradients on {len(ctx.devices)} device(s), "
+                       f"{library}")
     device, problem = failure
     advice = ("TensorFlow's own CPU kernels have no gradients of a grouped convolution, oneDNN's do: leave "
               "TF_ENABLE_ONEDNN_OPTS unset or 1"
