@@ -125,6 +125,26 @@ def test_a_precision_step_that_leaves_devices_apart_is_failed(monkeypatch, cpu_d
     assert verdict.status == FAILED and "z differs between /device:CPU:0 and /device:CPU:1" in verdict.detail
 
 
+def test_xla_without_ptxas_is_failed_with_where_xla_looked_and_what_to_do(cpu_devices, monkeypatch):
+    import tensorflow as tf
+
+    def no_ptxas(fn, jit_compile=False, **kwargs):   # what XLA raises on a GPU when it finds no ptxas
+        def compiled(*args):
+            raise tf.errors.InternalError(None, None, "Couldn't find a suitable version of ptxas. The following "
+                                          "locations were considered: /usr/local/cuda/bin/ptxas\nmore")
+        return compiled if jit_compile else fn
+    monkeypatch.setattr(tf, "function", no_ptxas)
+    monkeypatch.setattr(doctor, "_xla_tools_line", lambda: ("ptxas: not found, libdevice: /cuda/libdevice.10.bc",
+                                                            (None, "/cuda/libdevice.10.bc")))
+    verdict = doctor.CHECKS["xla"](doctor.Context(cpu_devices[:2], "GPU", [(8, 0), (8, 0)]))
+    assert verdict == doctor.Verdict(FAILED, (
+        "XLA on /device:CPU:0: InternalError: Couldn't find a suitable version of ptxas. The following locations "
+        "were considered: /usr/local/cuda/bin/ptxas; ptxas: not found, libdevice: /cuda/libdevice.10.bc; set "
+        "XLA_FLAGS=--xla_gpu_cuda_data_dir=/path/to/cuda (the folder with bin/ptxas and "
+        "nvvm/libdevice/libdevice.10.bc), or pip install nvidia-cuda-nvcc-cu12; until then runs fall back to the "
+        "update without XLA (one line at the first step); jit_update: false skips the attempt"))
+
+
 def test_mixed_precision_is_skipped_below_the_compute_capability_it_needs(cpu_devices, monkeypatch):
     monkeypatch.setattr(doctor, "precision_step", lambda *args, **kwargs: "ran")   # any run would be FAILED
     pascal = doctor.Context(cpu_devices[:2], "GPU", [(6, 1), (6, 1)])
