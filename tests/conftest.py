@@ -23,6 +23,10 @@ def _gpu_tests_asked(argv):
 GPU_TESTS = _gpu_tests_asked(sys.argv[1:])
 if not GPU_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+else:
+    # This process starts TensorFlow on every GPU (the CPU split below); without growth it would hold
+    # their memory while the doctor's process, started by a gpu test, needs it.
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 
 import pytest  # noqa: E402
 

@@ -95,6 +95,15 @@ def trial_devices(experiment, gpus=None):
     return choose_devices(visible_gpu_ids() if gpus is None else gpus, logical_cpu).count
 
 
+def trial_gpus(parallel=1, gpus_per_trial=None):
+    """The GPU ids each trial gets under --parallel PARALLEL and --gpus-per-trial GPUS_PER_TRIAL (every
+    slot gets as many; None: those of this process): the GPUS to plan with (plan_sweep, plan_study), so
+    that the plan's k is the k the trials will train, which the runner checks per slot."""
+    # Imported here: trials brings Optuna, which planning alone does not need.
+    from crossbow_tf.compare import trials as trials_lib
+    return trials_lib.slot_gpus(trials_lib.make_slots(parallel, gpus_per_trial)[0])
+
+
 def planned_shape(method, experiment, gpus=None):
     """(k, global batch) of a run of METHOD with EXPERIMENT given GPUS: learners (engine methods) or
     replicas (tf_ssgd); None for what the machine decides (learners_per_device: auto)."""
