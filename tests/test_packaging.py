@@ -94,7 +94,7 @@ def test_installed_entry_points_compare_a_users_model_from_their_own_folder(inst
     """crossbow-compare from the wheel, in a folder outside the checkout, on the user's model file
     and .npz: both methods run (one trial, one epoch each), with report, runs and TensorBoard."""
     site, env = installed
-    for script in ("crossbow-compare", "crossbow-sweep", "crossbow-reproduce"):
+    for script in ("crossbow-compare", "crossbow-sweep", "crossbow-reproduce", "crossbow-doctor"):
         helped = subprocess.run([str(site / "bin" / script), "--help"], capture_output=True, text=True, env=env,
                                 timeout=120)
         assert helped.returncode == 0 and helped.stdout.startswith(f"usage: {script} "), helped.stderr[-2000:]
