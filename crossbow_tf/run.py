@@ -79,14 +79,12 @@ def build_config(args):
             cfg[key] = value
     if args.logical_cpu_devices is not None:
         cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
-    # Folders given on the command line are recorded (results, logs) relative to this folder.
-    from crossbow_tf.files import recorded_path
     if args.checkpoint_dir is not None:
-        cfg["checkpoint"]["dir"] = recorded_path(args.checkpoint_dir)
+        cfg["checkpoint"]["dir"] = args.checkpoint_dir
     if args.on_divergence is not None:
         cfg["on_divergence"] = args.on_divergence
     if args.tensorboard is not None:
-        cfg["tensorboard"] = recorded_path(args.tensorboard)
+        cfg["tensorboard"] = args.tensorboard
     if args.precision is not None:
         cfg["precision"] = args.precision
     try:

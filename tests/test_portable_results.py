@@ -6,8 +6,6 @@ import os
 import re
 import sys
 
-import pytest
-
 from crossbow_tf.compare.report import relative_path
 from crossbow_tf.files import recorded_path
 
@@ -107,13 +105,3 @@ def test_recorded_paths_are_relative_to_the_working_directory_and_the_interprete
     monkeypatch.setenv("CROSSBOW_RUN_PYTHON", "/opt/venv/bin/python3")
     assert relative_path("/opt/venv/bin/python3") == "python"
     assert relative_path("/opt/other") == os.path.relpath("/opt/other") and not relative_path("/opt/other").startswith("/")
-
-
-@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--tensorboard"])
-def test_a_runs_folders_given_absolute_are_recorded_relative(tmp_path, monkeypatch, flag):
-    from crossbow_tf import run
-    monkeypatch.chdir(tmp_path)
-    args = run.parse_args([flag, str(tmp_path / "out" / "a")])
-    cfg = run.build_config(args)
-    recorded = cfg.checkpoint.dir if flag == "--checkpoint-dir" else cfg.tensorboard
-    assert recorded == os.path.join("out", "a")
