@@ -15,8 +15,9 @@ folder it ran in (crossbow_tf.files.recorded_path); this tool gives old study fo
 A study folder of crossbow-reproduce (machine.json beside report.md) then has its report.md and
 summary.json regenerated from its files by ``crossbow-reproduce --config C --out COPY --resume
 --phases report`` in a temporary copy (C: the --config of machine.json's command), so its plots and
-runs stay as they are. The new report must equal the old one with its paths rewritten, except the
-date it was written; other differences are printed and refused unless --allow-report-changes
+runs stay as they are. The regenerated report must equal the old one with its paths rewritten,
+except the date it was written (then the rewritten files are kept as they are); other differences
+are printed and refused unless --allow-report-changes writes the regenerated report and summary
 (a report whose wording changed since it was written).
 
 Run from the checkout's root: PYTHONPATH=. python tools/portable_results.py (every folder under
@@ -147,13 +148,15 @@ def main(argv=None):
             old_report, old_summary = f.read(), g.read()
         report, summary = regenerate(folder, config)
         diff, keys = report_changes(old_report, report), summary_changes(old_summary, summary)
-        if diff or keys:
-            print(f"{folder}: the regenerated report differs beyond its date:", *diff,
-                  *([f"summary.json keys: {', '.join(keys)}"] if keys else []), sep="\n  ")
-            if not args.allow_report_changes:
-                print(f"{folder}: report.md and summary.json left as they were (--allow-report-changes writes them)")
-                problems += 1
-                continue
+        if not (diff or keys):   # the files as rewritten above are what the report phase writes now
+            print(f"{folder}: the report regenerated from its files is the same (but its date): kept as it is")
+            continue
+        print(f"{folder}: the regenerated report differs beyond its date:", *diff,
+              *([f"summary.json keys: {', '.join(keys)}"] if keys else []), sep="\n  ")
+        if not args.allow_report_changes:
+            print(f"{folder}: report.md and summary.json left as they were (--allow-report-changes writes them)")
+            problems += 1
+            continue
         for name, text in (("report.md", report), ("summary.json", summary)):
             with open(os.path.join(folder, name), "w") as f:
                 f.write(text)
