@@ -266,7 +266,8 @@ def verdict(spec, cells, stats, bench, machine=Hardware()):
                          "" if machine.gpus else "; GPU claim not testable here"),
                      ", ".join(f"b={b} G={g}: {r:.2f}x" for r, b, g in ratios),
                      f"'about' means at least {ABOUT_ONE_MODEL}x Keras's images/s at batch k*b; the paper's argument is "
-                     "about GPUs that one small batch leaves idle" + ("" if machine.gpus else ", and there is no GPU here")))
+                     "about GPUs that one small batch leaves idle"
+                     + ("" if machine.gpus else ", and there is no GPU here")))
     tta = []
     for g in points:
         s_tta = [(stats[(n, g)]["tta"][0], n) for n in ssgd if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
