@@ -127,6 +127,10 @@ def test_sequential_parallel_and_two_workers_run_every_trial_once_and_agree(setu
     logs = [w.communicate(timeout=120)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], "\n".join(logs)[-3000:]
     assert all("[" in log for log in logs), "both workers ran trials"
+    # One worker writes the report and prints its verdict; the other says so in one line.
+    writers = [log for log in logs if "report: " in log and "| claim of the paper |" in log]
+    others = [log for log in logs if "the study is complete; another worker writes the report" in log]
+    assert len(writers) == 1 and len(others) == 1 and "| claim of the paper |" not in others[0], logs
     final = subprocess.run(command(config, out, "--storage", url), capture_output=True, text=True, env=env,
                            timeout=120)
     assert final.returncode == 0, final.stderr[-2000:]

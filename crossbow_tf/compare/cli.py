@@ -144,6 +144,9 @@ def compare(argv=None):
               file=sys.stderr)
         return 1
 
+    if args.worker and not trials_lib.claim_report(runner.study, out):
+        runner.say(f"compare: the study is complete; another worker writes the report in {out}")
+        return 0
     rows = compare_rows(spec, outcome)
     curves = {name: load_curves(o["final"]) for name, o in outcome.items()}
     plot_curves(curves, spec.target, os.path.join(out, "accuracy_vs_time.png"),

@@ -241,6 +241,9 @@ def main(argv=None):
         return 2
     if "report" not in args.phases:
         return 0
+    if args.worker and outcome is not None and not trials_lib.claim_report(runner.study, out):
+        runner.say(f"reproduce: the study is complete; another worker writes the report in {out}")
+        return 0
     report = study_report.build_report(out, spec, cells, experiment, args)
     runner.say("\n" + report["verdict_markdown"])
     runner.say(f"\nreport: {os.path.join(out, 'report.md')}")

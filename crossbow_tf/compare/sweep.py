@@ -128,6 +128,9 @@ def sweep(argv=None):
         print("sweep: the study is not complete (runs whose workers died too often); rerun with --resume",
               file=sys.stderr)
         return 1
+    if args.worker and not trials_lib.claim_report(runner.study, out):
+        runner.say(f"sweep: the study is complete; another worker writes the report in {out}")
+        return 0
     plot_sweep(sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
     records = [r for points in result.values() for *_, recs in points for r in recs]
     text = sweep_markdown(spec, result)

@@ -507,6 +507,19 @@ def remember_name(opts, out):
             f.write(opts.name + "\n")
 
 
+def claim_report(study, out):
+    """True for the one worker that writes the report of STUDY (a trials.Study, complete) in OUT:
+    the first to create a claim file for the study's plan (O_EXCL, atomic on a local or NFS
+    filesystem). The other workers print one line and leave it; the command without --worker
+    always writes it."""
+    path = os.path.join(out, f".report-{study.name.replace(':', '_')}-{fingerprint(study.items)}")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def open_given_storage(opts):
     """Opens the --storage of OPTS (checked first), so that a storage that cannot be opened is one
     line before the report directory is made; None for the default SQLite file (made with it)."""
