@@ -31,6 +31,18 @@ def check_writable(path, *, force=False, what="output file"):
         raise OutputError(f"{path}: cannot create the {what}: no permission to write in {parent}")
 
 
+def recorded_path(path):
+    """PATH as commands, logs and results record it: an absolute path relative to the working
+    directory (the folder the command ran in), so that nothing written names the machine's folders
+    (/home/me/..., a venv's interpreter) and a report directory reads the same wherever it is copied."""
+    if not path or not os.path.isabs(path):
+        return path
+    try:
+        return os.path.relpath(path)
+    except ValueError:   # another drive (Windows): no relative form
+        return path
+
+
 def atomic_write(path, write, binary=False):
     """Calls WRITE(file) on a new file that then replaces PATH, so that PATH is either its old self
     or complete, never half written.

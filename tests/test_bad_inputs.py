@@ -148,6 +148,25 @@ CASES = [
               "optimizer.beta_3: Adam takes no argument 'beta_3'"),
     yaml_case("optimizer argument Adam lacks (--check)", "optimizer: {name: adam, beta_3: 0.5}\n",
               "optimizer.beta_3: Adam takes no argument 'beta_3'", args=("--check",)),
+    yaml_case("unknown precision", "precision: float8\n", "precision: unknown 'float8'; choose float32"),
+    yaml_case("central_step negative", "algorithm: {name: sma, central_step: -1}\n",
+              "algorithm.central_step: must be positive or null"),
+    yaml_case("sync_period given to localsgd", "algorithm: {name: localsgd, sync_period: 2}\n",
+              "algorithm.sync_period: applies to sma and easgd, not to localsgd"),
+    yaml_case("noise_matching a word", "algorithm: {noise_matching: banana}\n",
+              "algorithm.noise_matching: must be auto, true or false, got 'banana'"),
+    yaml_case("tensorboard folder is a file", "tensorboard: '{dir}/taken'\n", "the TensorBoard folder is a file",
+              files={"taken": "a file"}),
+    Case("--tensorboard under a file", "run", 2, "is not a directory", ("--tensorboard", "{dir}/plain/tb"),
+         {"plain": "a file, not a directory"}),
+    yaml_case("npz file that is not one", "data: {name: npz, path: bad.npz}\n", "bad.npz: not an .npz file",
+              files={"bad.npz": b"not a zip"}),
+    yaml_case("npz file missing", "data: {name: npz, path: none.npz}\n", "none.npz: file not found"),
+    yaml_case("model file: the name is not a function", "model: bad_models.py:NOT_A_FUNCTION\n",
+              "NOT_A_FUNCTION is an int, not a function", files={"bad_models.py": "NOT_A_FUNCTION = 3\n"}),
+    yaml_case("model file missing", "model: nofile.py:build\n", "model: nofile.py:build: file nofile.py not found"),
+    yaml_case("model module missing", "model: no_such_module:build\n",
+              "model: no_such_module:build: no module 'no_such_module'"),
     # ---- baselines
     yaml_case("tf_ssgd: unknown lr_scaling", "tf_ssgd: {lr_scaling: sqrt}\n", "tf_ssgd.lr_scaling: choose none or linear",
               entry="tf_ssgd"),
@@ -284,11 +303,35 @@ def test_at_least_forty_cases_across_every_entry_point():
     assert len({c.name for c in CASES}) == len(CASES)
 
 
+# The commands' mode that validates without running (nothing trained, nothing written). Every case of
+# these commands runs both ways and must give the same exit code and line. The baselines have no such
+# mode: their cases run as the real command only.
+CHECK_FLAGS = {"run": "--check", "compare": "--dry-run", "sweep": "--dry-run"}
+TWINS = {}   # case name -> the flag it was also run with or without ("" : no check mode)
+
+
+def _call(entry, argv, capsys):
+    """(exit code, stderr) of ENTRY's main(ARGV) in this process."""
+    try:
+        code = ENTRY_POINTS[entry](argv)
+    except SystemExit as e:   # argparse
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.err.strip()
+
+
+def twin_argv(entry, argv):
+    """ARGV with the entry's check flag added when absent, removed when present."""
+    flag = CHECK_FLAGS[entry]
+    return [a for a in argv if a != flag] if flag in argv else argv + [flag]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input(case, tmp_path, capsys, cpu_devices, monkeypatch):
     root = str(tmp_path)
     _write(root, case.files)
     monkeypatch.chdir(root)   # a command that wrongly wrote a default output would write here
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)   # a user's model file imported: no __pycache__
     before = snapshot(root)
     if case.entry == "api":
         with pytest.raises(case.expect) as info:
@@ -297,15 +340,15 @@ def test_bad_input(case, tmp_path, capsys, cpu_devices, monkeypatch):
         outcome = f"{type(info.value).__name__}: {text}"
     else:
         argv = [a.replace("{dir}", root) for a in case.args]
-        try:
-            code = ENTRY_POINTS[case.entry](argv)
-        except SystemExit as e:   # argparse
-            code = e.code
-        captured = capsys.readouterr()
-        text = captured.err.strip()
-        assert code == case.expect, (code, captured.err[-2000:])
+        code, text = _call(case.entry, argv, capsys)
+        assert code == case.expect, (code, text[-2000:])
         assert len(text.splitlines()) == 1 and "Traceback" not in text, text
         outcome = f"exit {code}: {text.replace(root, '<dir>')}"
+        if case.entry in CHECK_FLAGS:   # the same refusal with and without the check flag
+            twin = twin_argv(case.entry, argv)
+            assert snapshot(root) == before, "a file changed"
+            assert _call(case.entry, twin, capsys) == (code, text), f"differs under {' '.join(twin[-3:])}"
+        TWINS[case.name] = CHECK_FLAGS.get(case.entry, "")
     assert case.message.replace("{dir}", root) in text, text
     assert snapshot(root) == before, "a file changed"
     OUTCOMES[case.name] = outcome
@@ -326,7 +369,7 @@ def test_numbers_as_people_write_them_are_numbers(tmp_path):
 def bad_inputs_table():
     """The Markdown table of every case and what it gave (docs/bad_inputs.md's table)."""
     assert len(OUTCOMES) == len(CASES), "run the whole module: the table needs every case's outcome"
-    rows = ["| # | entry point | bad input | what it gives |", "|---|---|---|---|"]
+    rows = [TABLE_START, "|---|---|---|---|---|"]
     for i, case in enumerate(CASES, 1):
         given = " ".join(a.replace("{dir}", "<dir>") for a in case.args if a != "--config" and "c.yaml" not in a)
         text = OUTCOMES[case.name].replace("|", "\\|")
@@ -339,12 +382,14 @@ def bad_inputs_table():
         else:
             what = case.name
         what = what.replace("|", "\\|")
-        rows.append(f"| {i} | {COMMANDS[case.entry]}{' ' + given if given else ''} | {what} | {text} |")
+        twin = TWINS.get(case.name)
+        same = "–" if case.entry == "api" else f"the same with and without {twin}" if twin else "(no check mode)"
+        rows.append(f"| {i} | {COMMANDS[case.entry]}{' ' + given if given else ''} | {what} | {text} | {same} |")
     return "\n".join(rows) + "\n"
 
 
 TABLE_DOC = os.path.join(REPO, "docs", "bad_inputs.md")
-TABLE_START = "| # | entry point | bad input | what it gives |"
+TABLE_START = "| # | entry point | bad input | what it gives | checked without running |"
 
 
 def test_the_committed_table_is_this_suites():

@@ -127,6 +127,10 @@ def test_sequential_parallel_and_two_workers_run_every_trial_once_and_agree(setu
     logs = [w.communicate(timeout=120)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], "\n".join(logs)[-3000:]
     assert all("[" in log for log in logs), "both workers ran trials"
+    # One worker writes the report and prints its verdict; the other says so in one line.
+    writers = [log for log in logs if "report: " in log and "| claim of the paper |" in log]
+    others = [log for log in logs if "the study is complete; another worker writes the report" in log]
+    assert len(writers) == 1 and len(others) == 1 and "| claim of the paper |" not in others[0], logs
     final = subprocess.run(command(config, out, "--storage", url), capture_output=True, text=True, env=env,
                            timeout=120)
     assert final.returncode == 0, final.stderr[-2000:]
@@ -137,7 +141,9 @@ def test_sequential_parallel_and_two_workers_run_every_trial_once_and_agree(setu
         runs = started(calls, tmp / way)
         assert len(runs) == RUNS and len(set(runs)) == RUNS, (way, runs)   # every run once
         storage = f"sqlite:///{tmp / way / 'study.db'}" if way != "workers" else url
-        trials = storage_trials(storage, f"crossbow:{way}")
+        name = (tmp / way / ".crossbow_study").read_text().strip()   # kept by the command that planned it
+        assert name.startswith(f"crossbow:{way}-") and len(name) == len(f"crossbow:{way}-") + 8, name
+        trials = storage_trials(storage, name)
         assert [t.state.name for t in trials] == ["COMPLETE"] * RUNS
         assert sorted(t.user_attrs["resolved"] for t in trials) == sorted(r[len(way) + 6:-5] for r in runs)
         results[way] = {r: json.loads((tmp / r).read_text())["evaluations"][-1]["accuracy"] for r in runs}
@@ -185,13 +191,36 @@ def test_a_worker_killed_mid_trial_leaves_it_to_the_other(setup):
     runs = started(calls, out)
     assert runs.count(first[0]) == 2, runs          # the killed trial ran again
     assert len(set(runs)) == RUNS and len(runs) == RUNS + 1
-    trials = storage_trials(url, "crossbow:killed")
+    trials = storage_trials(url, (out / ".crossbow_study").read_text().strip())
     complete = [t.user_attrs["resolved"] for t in trials if t.state.name == "COMPLETE"]
     assert len(complete) == RUNS and len(set(complete)) == RUNS   # counted once
     [failed] = [t for t in trials if t.state.name == "FAIL"]
     assert failed.user_attrs["run"] == first[0][len("killed/runs/"):-len(".json")]
     report = (out / "report.md").read_text()
     assert "12 of 12 training runs finished" in report
+
+
+def test_the_default_study_name_is_the_folder_and_its_config_and_stays_with_the_folder(tmp_path):
+    from crossbow_tf.compare import trials
+    one, other = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    one.write_text("model: lenet\n")
+    other.write_text("model: resnet32\n")
+    # Two studies whose folders share a name, on two configs, do not meet in a shared storage.
+    names = [trials.default_name(str(tmp_path / where / "study"), str(c)) for where, c in (("x", one), ("y", other))]
+    assert names[0] != names[1] and all(n.startswith("crossbow:study-") for n in names)
+    # Every worker given the same command computes the same name.
+    assert trials.default_name(str(tmp_path / "z" / "study"), str(one)) == names[0]
+    # The report directory keeps its name: --resume finds its study after the config was edited.
+    out = tmp_path / "x" / "study"
+    out.mkdir(parents=True)
+    trials.remember_name(trials.Options(name=names[0]), str(out))
+    one.write_text("model: lenet\nepochs: 3\n")
+    assert trials.default_name(str(out), str(one)) == names[0]
+    # A report directory made before names were kept (its own study.db): the folder's name, as then.
+    old = tmp_path / "old" / "study"
+    old.mkdir(parents=True)
+    (old / trials.STORAGE_FILE).write_bytes(b"")
+    assert trials.default_name(str(old), str(one)) == "crossbow:study"
 
 
 def test_slots_share_the_gpus_or_the_cores(monkeypatch):
@@ -229,3 +258,36 @@ def test_a_study_killed_on_this_machine_resumes_at_once(setup):
     assert len(runs) == RUNS + 1 and runs[0] == runs[1]   # the killed trial first, then the rest once
     assert time.time() - start < 60   # not the 90 s of three missed default heartbeats
     assert "12 of 12 training runs finished" in (out / "report.md").read_text()
+
+
+def test_on_a_journal_storage_a_silent_workers_trial_is_failed_and_runs_again(tmp_path):
+    """Optuna gives its journal storage no heartbeat: the workers beat in the trial's user attributes,
+    and the next worker fails a trial whose beat stopped and enqueues it again, as with a database."""
+    from crossbow_tf.compare import trials
+    storage = trials.open_storage(f"journal:{tmp_path / 'journal.log'}", heartbeat=1)
+    items = [trials.Item("sma/G32/t00_s0", "sma/G32", 0), trials.Item("sma/G32/t01_s0", "sma/G32", 0)]
+    study = trials.Study(storage, "crossbow:j", items, heartbeat=1, say=lambda line: None)
+    assert study.own_heartbeat
+    seen = []
+
+    def run_item(item, slot):   # the worker beats while its run goes on
+        seen.append(item.key)
+        return 0.5, {}
+    trial, item = study._claim()
+    study._run(trial, item, run_item, trials.Slot(0, {}))   # beats once at its start, then tells
+    assert [t.state.name for t in study.trials()] == ["COMPLETE", "WAITING"]
+    # A worker dies holding the second trial: its beat is where it stopped.
+    trial, item = study._claim()
+    storage.set_trial_user_attr(trial._trial_id, trials.BEAT_ATTR, [trial.number, 1000.0])
+    assert study.fail_silent_trials(now=1002.5) == []            # within three beats: alive
+    assert study.fail_silent_trials(now=1003.5) == [item.key]    # three beats missed: given back
+    assert [t.state.name for t in study.trials()] == ["COMPLETE", "FAIL", "WAITING"]
+    retry = study.trials()[-1]
+    assert retry.user_attrs["run"] == item.key
+    # The retry carries the dead trial's attributes, its old beat among them: that beat is not its own.
+    assert study.fail_silent_trials(now=5000.0) == []
+    again, again_item = study._claim()
+    assert again_item.key == item.key and again.number == retry.number
+    assert study.fail_silent_trials(now=5000.0) == []             # claimed, not yet beaten: left alone
+    study._run(again, again_item, run_item, trials.Slot(0, {}))
+    assert study.complete() and seen == [items[0].key, item.key]

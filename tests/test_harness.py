@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -214,6 +215,20 @@ def test_tiny_comparison_end_to_end(tmp_path):
     for png in ("accuracy_vs_time.png", "accuracy_vs_epochs.png", "sweep.png"):
         data = (out / png).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+    # Given an absolute --out, every command, log and result names the folders relative to the
+    # working directory, and the interpreter as python (issue 27).
+    texts = {}
+    for root, _, names in os.walk(out):
+        for name in names:
+            if name.endswith((".json", ".log", ".md", ".cmd", ".yaml")):
+                with open(os.path.join(root, name)) as f:
+                    texts[os.path.relpath(os.path.join(root, name), out)] = f.read()
+    assert {"runs/sma/t00_s0.log", "runs/sma/t00_s0.json", "summary.json", "report.md"} <= set(texts)
+    absolute = re.compile(f"(?<![\\w.]){re.escape(str(tmp_path))}|{re.escape(sys.executable)}")   # ../../tmp/x is relative
+    assert [p for p, text in texts.items() if absolute.search(text)] == []
+    assert texts["runs/sma/t00_s0.log"].startswith("$ python -m crossbow_tf.run --config ")
+    assert runs["sma"]["config"]["tensorboard"] == os.path.relpath(out / "tensorboard" / "sma" / "t00_s0")
 
     # A second run into the same directory is refused and changes nothing.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

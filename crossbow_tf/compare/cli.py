@@ -19,7 +19,7 @@ import sys
 from crossbow_tf import cli
 from crossbow_tf.compare.plan import count_compare_runs, describe, plan_compare, plan_sweep
 from crossbow_tf.compare.plots import plot_curves, plot_sweep
-from crossbow_tf.compare.report import (command_line, compare_markdown, copy_config, header_markdown,
+from crossbow_tf.compare.report import (check_report_dir, command_line, compare_markdown, copy_config, header_markdown,
                                         load_curves, markdown_table, software_line, sweep_markdown, sweep_series,
                                         write_json)
 from crossbow_tf.compare import trials as trials_lib
@@ -27,7 +27,7 @@ from crossbow_tf.compare.runner import check_study, machine_info, open_study, ru
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_compare, parse_sweep
 from crossbow_tf.compare.stats import compare_rows, tta_ratio
 from crossbow_tf.errors import ConfigError, CrossbowError
-from crossbow_tf.files import atomic_write_text
+from crossbow_tf.files import atomic_write_text, recorded_path
 
 
 def parse_args(argv):
@@ -99,11 +99,13 @@ def compare(argv=None):
     cli.quiet_tensorflow(args.verbose)   # the training processes inherit it
     try:
         experiment, sections, spec, plan, sweep_spec, sweep_plan = build(args)
-        out = args.out or os.path.join("reports", experiment.get("name", "experiment"))
+        # Relative to this folder: the runs are given (and so record) paths that name no machine's folders.
+        out = recorded_path(args.out) or os.path.join("reports", experiment.get("name", "experiment"))
         total = count_compare_runs(spec, plan) + (
             len(sweep_plan) * len(sweep_spec.seeds) if sweep_plan else 0)
         if args.dry_run:
             check_study(args, out)
+            check_report_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
             for entry, trials in plan:
                 for label, point, _ in trials:
                     print(f"{entry.name} ({entry.method}) {label}: {describe(dict(entry.fixed, **point))}")
@@ -112,6 +114,7 @@ def compare(argv=None):
             print(f"{total} runs (at most)")
             return 0
         study = open_study(args, out)
+        trials_lib.remember_name(study, out)
     except CrossbowError as e:
         return cli.fail("compare", e)
     except OSError as e:   # the report directory cannot be made
@@ -141,6 +144,9 @@ def compare(argv=None):
               file=sys.stderr)
         return 1
 
+    if args.worker and not trials_lib.claim_report(runner.study, out):
+        runner.say(f"compare: the study is complete; another worker writes the report in {out}")
+        return 0
     rows = compare_rows(spec, outcome)
     curves = {name: load_curves(o["final"]) for name, o in outcome.items()}
     plot_curves(curves, spec.target, os.path.join(out, "accuracy_vs_time.png"),

@@ -79,7 +79,8 @@ def plot_best_accuracy(stats, series, points, spec, path, series_label):
             stats[(s.name, g)]["best_accuracy"][1] > 0.5])))
 
 
-def plot_tta(stats, cells, spec, path):
+def plot_tta(stats, cells, spec, path, devices="this CPU"):
+    """Median TTA against G per series; DEVICES: what the study trained on ("this CPU", "these 8 GPUs")."""
     with figure(path) as ax:
         names = [c.series.name for c in cells]
         for i, name in enumerate(dict.fromkeys(names)):
@@ -88,7 +89,7 @@ def plot_tta(stats, cells, spec, path):
                 ax.plot([g for g, _ in pts], [t for _, t in pts], "o-", color=f"C{i}", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("global batch G")
-        ax.set_ylabel(f"time to {spec.target:.0%} (s of training, this CPU)")
+        ax.set_ylabel(f"time to {spec.target:.0%} (s of training, {devices})")
 
 
 def plot_largest(states, spec, g, path):

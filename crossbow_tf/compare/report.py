@@ -8,7 +8,7 @@ import sys
 
 from crossbow_tf.compare.plan import describe
 from crossbow_tf.compare.stats import seed_statistics, tta_ratio
-from crossbow_tf.files import atomic_write_text
+from crossbow_tf.files import atomic_write_text, recorded_path
 
 
 def fmt(x, digits=2):
@@ -136,7 +136,7 @@ def header_markdown(title, command, machine, config_path):
     return "\n".join([
         f"# {title}", "",
         f"- command: `{command}`",
-        f"- config: `{config_path}`",
+        f"- config: `{relative_path(config_path)}`",
         f"- machine: {machine['cpu']}, {machine['cpu_count']} CPU cores, {machine['platform']}, "
         f"Python {machine['python']}",
         f"- started: {machine['date']}" + (f", load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
@@ -175,12 +175,32 @@ def command_line():
 
 def relative_path(argument):
     """ARGUMENT with an absolute path (alone, or after ``--flag=``) made relative to this folder, so
-    that a recorded command names no machine's folders: /work/x/docs/out, run in /work/x, is docs/out."""
+    that a recorded command names no machine's folders: /work/x/docs/out, run in /work/x, is docs/out;
+    the interpreter running the command (or CROSSBOW_RUN_PYTHON, the runs') is ``python``."""
     flag, eq, value = argument.partition("=") if argument.startswith("--") else ("", "", argument)
     if not os.path.isabs(value):
         return argument
-    return flag + eq + os.path.relpath(value)
+    if value in (sys.executable, os.environ.get("CROSSBOW_RUN_PYTHON")):   # a venv's interpreter, where it lives
+        return flag + eq + "python"
+    return flag + eq + recorded_path(value)
 
 
 def copy_config(src, out_dir):
     shutil.copyfile(src, os.path.join(out_dir, "config.yaml"))
+
+
+def check_report_dir(path, force=False, resume=False):
+    """What runner.prepare_out_dir would refuse about report directory PATH, checked without making
+    or emptying anything (--dry-run): a CrossbowError with prepare_out_dir's line."""
+    from crossbow_tf.compare.runner import MARKER
+    from crossbow_tf.errors import CrossbowError
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise CrossbowError(f"{path}: exists and is not a directory")
+    if not (force or resume):
+        raise CrossbowError(f"{path}: report directory exists; choose another --out, "
+                            "or pass --resume to reuse its finished runs or --force to replace it")
+    if os.listdir(path) and not os.path.exists(os.path.join(path, MARKER)):
+        raise CrossbowError(f"{path}: not a report directory made by these tools; refusing to touch it")
+

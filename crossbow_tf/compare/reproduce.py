@@ -28,10 +28,12 @@ import time
 from crossbow_tf.compare import study_report
 from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_devices
-from crossbow_tf.compare.report import command_line, copy_config, relative_path, write_json
+from crossbow_tf.compare.report import check_report_dir, command_line, copy_config, relative_path, write_json
 from crossbow_tf.compare.runner import check_study, PACKAGE_ROOT, machine_info, open_study, run_study, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
+from crossbow_tf.device_choice import visible_gpu_ids
 from crossbow_tf.errors import ConfigError, CrossbowError
+from crossbow_tf.files import recorded_path
 
 PHASES = ("sweep", "bench", "bn", "report")
 # The throughput bench is a checkout's tools/bench_throughput.py.
@@ -182,12 +184,15 @@ def bn_run_config(experiment, sections, spec, epochs):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # Relative to this folder: the runs are given (and so record) paths that name no machine's folders.
+    args.out = recorded_path(args.out)
     try:
         experiment, sections, spec, cells = build(args)
         jobs = bench_jobs(spec, cells)
         total = count_runs(spec, cells) + ("bn" in args.phases)
         if args.dry_run:
             check_study(args, args.out)
+            check_report_dir(args.out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
             for cell in cells:
                 for label, point, _ in cell.trials:
                     print(f"{cell.series.name} G={cell.global_batch} k={cell.k} {label}: {describe(point)}")
@@ -201,6 +206,7 @@ def main(argv=None):
         if args.worker:
             args.phases = [p for p in args.phases if p in ("sweep", "report")]
         study = open_study(args, args.out)
+        trials_lib.remember_name(study, args.out)
     except CrossbowError as e:
         print(f"reproduce: error: {e}", file=sys.stderr)
         return 2
@@ -210,7 +216,8 @@ def main(argv=None):
     copy_config(args.config, out)
     machine_path = os.path.join(out, "machine.json")
     if not os.path.exists(machine_path):
-        write_json(machine_path, dict(machine_info(), command=command_line()))
+        # The GPUs the runs will see (the report's words about the machine come from this file).
+        write_json(machine_path, dict(machine_info(), gpus=len(visible_gpu_ids()), command=command_line()))
     runner = Runner(out, total, resume=True, trials=study)
     runner.say(f"reproduce: {len(cells)} cells, {total} runs at most, phases {' '.join(args.phases)}, report in {out}")
     try:
@@ -233,6 +240,9 @@ def main(argv=None):
         print(f"reproduce: error: {e}", file=sys.stderr)
         return 2
     if "report" not in args.phases:
+        return 0
+    if args.worker and outcome is not None and not trials_lib.claim_report(runner.study, out):
+        runner.say(f"reproduce: the study is complete; another worker writes the report in {out}")
         return 0
     report = study_report.build_report(out, spec, cells, experiment, args)
     runner.say("\n" + report["verdict_markdown"])

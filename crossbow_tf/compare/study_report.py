@@ -1,12 +1,13 @@
 """The reproduction study's report, built from the files in its directory alone (so a partial or
 resumed study reports what has finished): tables, plots and the verdict of crossbow-reproduce."""
+import dataclasses
 import glob
 import json
 import os
 
 from crossbow_tf.compare import plan, plots
 from crossbow_tf.compare.plan import describe
-from crossbow_tf.compare.report import fmt, fmt_stat, markdown_table, write_json
+from crossbow_tf.compare.report import fmt, fmt_stat, markdown_table, relative_path, write_json
 from crossbow_tf.compare.runner import machine_info
 from crossbow_tf.compare.stats import best_trial, run_summary, seed_statistics
 from crossbow_tf.results import format_problems
@@ -17,10 +18,59 @@ ABOUT_ONE_MODEL = 0.8       # "k learners cost about one model at k*b": at least
 CLAIMED_SPEEDUP = 1.3       # the paper's smallest TTA gain
 
 
-FIDELITY = """\
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The study's machine as its report words it: from machine.json, else from its runs' results."""
+    cpu: str = None
+    cores: int = None
+    gpus: int = 0
+    gpu_names: tuple = ()
+    load: float = None         # the 1-minute load average when the study started
+
+    @property
+    def devices(self):
+        """ "this CPU" or "these 8 GPUs": what the verdict was measured on."""
+        return "this CPU" if not self.gpus else f"these {self.gpus} GPU{'s' if self.gpus > 1 else ''}"
+
+    def described(self):
+        """ "AMD EPYC, 2 CPU cores" or "8 x GPU (A100), 64 CPU cores"."""
+        cores = f"{self.cores} CPU cores" if self.cores else "CPU cores unknown"
+        gpus = f"{self.gpus} x GPU" + (f" ({', '.join(self.gpu_names)})" if self.gpu_names else "") + ", "
+        return (gpus if self.gpus else "") + (f"{self.cpu}, " if self.cpu and not self.gpus else "") + cores
+
+    def load_words(self):
+        """ ", load average 6.46 when the study started" (how busy the machine was), or ""."""
+        return f", load average {self.load:.2f} when the study started" if self.load is not None else ""
+
+
+def hardware(machine, runs=()):
+    """Hardware of MACHINE (machine.json) and RUNS (results mappings): machine.json's "gpus" (a count
+    or a list of names) when it has one, else the most GPUs any run's TensorFlow saw."""
+    gpus = machine.get("gpus")
+    names = tuple(gpus) if isinstance(gpus, list) else ()
+    if gpus is None:
+        gpus = max((r.get("environment", {}).get("physical_gpus") or 0 for r in runs), default=0)
+    load = machine.get("load_average")
+    return Hardware(cpu=machine.get("cpu"), cores=machine.get("cpu_count"),
+                    gpus=len(gpus) if isinstance(gpus, list) else int(gpus), gpu_names=tuple(sorted(set(names))),
+                    load=load[0] if load else None)
+
+
+def _devices_phrase(counts, device_type):
+    """How the stock baseline's runs were placed: "one CPU device, so plain Keras", "8 GPU devices"."""
+    if not counts:
+        return "with one device, plain Keras"
+    if counts == {1}:
+        return f"this study: one {device_type} device, so plain Keras"
+    return f"this study: {' or '.join(map(str, sorted(counts)))} {device_type} devices"
+
+
+def fidelity(stock_devices):
+    """The report's notes on the baselines; STOCK_DEVICES: how the stock baseline's runs were placed."""
+    return f"""\
 - **What a Keras user would run** is `tf_ssgd` (baselines/tf_ssgd.py): the model built under
-  `tf.distribute.MirroredStrategy` over the devices, or with no strategy on one device (this study:
-  one CPU device, so plain Keras), `model.compile` with the stock `keras.optimizers.SGD(momentum=0.9)`
+  `tf.distribute.MirroredStrategy` over the devices, or with no strategy on one device
+  ({stock_devices}), `model.compile` with the stock `keras.optimizers.SGD(momentum=0.9)`
   and `model.fit` fed by one `tf.data` iterator over all epochs. No crossbow engine, strategy or
   algorithm code is loaded in its process (each results file lists the crossbow modules it loaded).
   It shares with SMA's runs only the model definition and initial weights (same seed), the per-epoch
@@ -37,9 +87,8 @@ FIDELITY = """\
   optimizer update is the same equation. Crossbow's paper compared against TensorFlow's own
   S-SGD, which is what `tf_ssgd` is.
 - **Both sides, same TensorFlow settings**: oneDNN on (crossbow_tf sets `TF_ENABLE_ONEDNN_OPTS=1` before
-  TensorFlow starts, in SMA's and the baselines' processes alike; on this AMD CPU TensorFlow leaves it
-  off by default; a one-off check on this machine, loaded by other work, gave stock Keras LeNet at
-  batch 128 about 2,000 images/s with it and 630 without), no XLA."""
+  TensorFlow starts, in SMA's and the baselines' processes alike, where TensorFlow's own default
+  depends on the CPU), no XLA."""
 
 
 def _load(path, target):
@@ -151,8 +200,9 @@ def load_bench(out):
     return bench
 
 
-def verdict(spec, cells, stats, bench):
-    """[(claim, verdict, numbers, reason)] from what has finished."""
+def verdict(spec, cells, stats, bench, machine=Hardware()):
+    """[(claim, verdict, numbers, reason)] from what has finished, on MACHINE (a Hardware)."""
+    on = f"on {machine.devices}"
     points = sorted(spec.global_batches)
     small, large = points[0], points[-1]
     cap = spec.epochs
@@ -212,10 +262,12 @@ def verdict(spec, cells, stats, bench):
     else:
         ok = all(r >= ABOUT_ONE_MODEL for r, _, _ in ratios)
         rows.append(("k learners of b cost about one model at k*b",
-                     "reproduced on this CPU" if ok else "not reproduced on this CPU; GPU claim not testable here",
+                     f"reproduced {on}" if ok else f"not reproduced {on}" + (
+                         "" if machine.gpus else "; GPU claim not testable here"),
                      ", ".join(f"b={b} G={g}: {r:.2f}x" for r, b, g in ratios),
                      f"'about' means at least {ABOUT_ONE_MODEL}x Keras's images/s at batch k*b; the paper's argument is "
-                     "about GPUs that one small batch leaves idle, and there is no GPU here"))
+                     "about GPUs that one small batch leaves idle"
+                     + ("" if machine.gpus else ", and there is no GPU here")))
     tta = []
     for g in points:
         s_tta = [(stats[(n, g)]["tta"][0], n) for n in ssgd if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
@@ -237,7 +289,7 @@ def verdict(spec, cells, stats, bench):
         speed = ", ".join(f"{n} {fmt(stats[(n, large)]['images_per_second'][0], 0)}"
                           for n in ssgd + sma if stats.get((n, large)))
         rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G",
-                     f"not reproduced at G={large} on this CPU; no projection",
+                     f"not reproduced at G={large} {on}; no projection",
                      f"at G={large} neither method reaches {spec.target:.0%} in {cap} epochs; best accuracy, median "
                      f"[range]: SMA {accuracy_at_cap(sma, large)}; S-SGD {accuracy_at_cap(ssgd, large)}; "
                      f"images/s (median): {speed}; elsewhere: {ratios(have) or '–'}",
@@ -252,13 +304,14 @@ def verdict(spec, cells, stats, bench):
         measured_ok = any(m is not None and m >= CLAIMED_SPEEDUP for _, m, _, _, _ in tta)
         projected_ok = any(p is not None and p >= CLAIMED_SPEEDUP for _, _, p, _, _ in tta)
         unreached = [g for g, m, p, e_s, e_m in tta if e_s == float("inf") and e_m not in (None, float("inf"))]
-        verdict_text = ("reproduced on this CPU" if measured_ok else "not reproduced on this CPU") + (
+        verdict_text = (f"reproduced {on}" if measured_ok else f"not reproduced {on}") + (
             "; projected where half 2 holds: reproduced" if projected_ok or unreached else
             "; projected where half 2 holds: not reproduced")
         rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G", verdict_text,
                      text + (f"; S-SGD never reached the target at G={unreached} while SMA did" if unreached else ""),
-                     "measured: median TTA of the best S-SGD over the best SMA series (training time on this loaded "
-                     "2-core CPU); projected: the epochs ratio, what TTA would be where k learners cost one model"))
+                     f"measured: median TTA of the best S-SGD over the best SMA series (training time on "
+                     f"{machine.described()}); projected: the epochs ratio, what TTA would be where k learners cost "
+                     "one model"))
     return rows, tta
 
 
@@ -343,10 +396,15 @@ def build_report(out, spec, cells, experiment, args):
     stats = {key: cell_stats(spec, st) for key, st in states.items()}
     points = sorted(spec.global_batches)
     bench = load_bench(out)
-    rows, tta = verdict(spec, cells, stats, bench)
-    series = list({c.series.name: c.series for c in cells}.values())   # in the config's order
     with open(os.path.join(out, "machine.json")) as f:
         machine = json.load(f)
+    runs = [r[2] for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None]
+    where = hardware(machine, runs)
+    rows, tta = verdict(spec, cells, stats, bench, where)
+    series = list({c.series.name: c.series for c in cells}.values())   # in the config's order
+    stock = [r.get("devices") or [] for r in runs if r.get("method") == "tf_ssgd"]
+    stock_devices = _devices_phrase({len(d) for d in stock if d}, "GPU" if where.gpus and any(
+        "GPU" in name for d in stock for name in d) else "CPU")
 
     def grid_table(what):
         return markdown_table(["series"] + [f"G={g}" for g in points], [
@@ -419,7 +477,7 @@ def build_report(out, spec, cells, experiment, args):
             epochs_series[_series_label(s)] = pts
     if epochs_series:
         plots.plot_sweep(epochs_series, spec.epochs, spec.target, os.path.join(out, "epochs_vs_G.png"))
-    plots.plot_tta(stats, cells, spec, os.path.join(out, "tta_vs_G.png"))
+    plots.plot_tta(stats, cells, spec, os.path.join(out, "tta_vs_G.png"), where.devices)
     largest = max(points)
     plots.plot_largest(states, spec, largest, os.path.join(out, "accuracy_vs_epochs_largest_G.png"))
     plots.plot_best_accuracy(stats, series, points, spec, os.path.join(out, "best_accuracy_vs_G.png"), _series_label)
@@ -452,8 +510,10 @@ def build_report(out, spec, cells, experiment, args):
     parts = [
         f"# Reproduction study: {experiment.get('name', '')}", "",
         f"- command: `{machine.get('command')}`",
-        f"- config: `{args.config}` (copied to `config.yaml`)",
-        f"- machine: {machine['cpu']}, {machine['cpu_count']} CPU cores, {machine['platform']}, Python {machine['python']}",
+        f"- config: `{relative_path(args.config)}` (copied to `config.yaml`)",
+        f"- machine: {machine['cpu']}, {machine['cpu_count']} CPU cores, "
+        + (f"{where.gpus} GPU(s){' (' + ', '.join(where.gpu_names) + ')' if where.gpu_names else ''}, " if where.gpus
+           else "no GPU, ") + f"{machine['platform']}, Python {machine['python']}{where.load_words()}",
         f"- software: TensorFlow {software.get('tensorflow', '?')}, Keras {software.get('keras', '?')}",
         f"- started: {machine['date']}; report written {machine_info()['date']}",
         f"- progress: {finished} of {planned} training runs finished" +
@@ -478,7 +538,7 @@ def build_report(out, spec, cells, experiment, args):
         "### Why: z against its learners (SMA, best trial, first seed, last epoch)", "",
         markdown_table(["series", "G", "k", "setting", "epochs", "z accuracy", "learner 0 accuracy",
                         "mean distance to z", "best learner 0 accuracy", "collapsed or diverged"], why) if why else "not run yet",
-        "", "## Half 2: hardware efficiency (this CPU)", "",
+        "", f"## Half 2: hardware efficiency ({where.devices})", "",
         ("Images/s of fused SMA with k learners of b against one plain Keras model at batch k*b and at batch b, "
          "measured side by side in one process, interleaved rounds, median (tools/bench_throughput.py, "
          "random MNIST-shaped images; `bench/` holds each command and log). Update share: the SMA update's "
@@ -488,7 +548,7 @@ def build_report(out, spec, cells, experiment, args):
                         "SMA / Keras(b)", "update share", "spread of that bench run"], half2)
         if half2 else "", "",
         "## The product: time to accuracy", "",
-        "Median training time to target (evaluation excluded) on this CPU, per series and point:", "",
+        f"Median training time to target (evaluation excluded) on {where.devices}, per series and point:", "",
         grid_table("tta"), "",
         "S-SGD over SMA at equal G (above 1: SMA sooner). Measured: the best S-SGD's median TTA over the best SMA "
         "series'. Projected (**a projection, not a measurement**): the ratio of epochs, which is the TTA ratio "
@@ -499,7 +559,7 @@ def build_report(out, spec, cells, experiment, args):
         "## BatchNorm: averaged against recomputed statistics", "", bn_note, "",
         markdown_table(["epoch", "z accuracy (averaged statistics)", "z accuracy (recomputed)",
                         "recompute time (s)", "epoch time (s)"], bn_rows) if bn_rows else "", "",
-        "## Fidelity of the baselines", "", FIDELITY, "",
+        "## Fidelity of the baselines", "", fidelity(stock_devices), "",
         "## Search trials", "",
         markdown_table(["series", "G", "trial", "setting", "seed", "epochs to target", "best accuracy",
                         "epochs run", "TTA (s)"], trial_rows), ""]

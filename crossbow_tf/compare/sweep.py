@@ -17,13 +17,13 @@ import sys
 from crossbow_tf import cli
 from crossbow_tf.compare.plan import describe, plan_sweep
 from crossbow_tf.compare.plots import plot_sweep
-from crossbow_tf.compare.report import (command_line, copy_config, header_markdown, markdown_table,
+from crossbow_tf.compare.report import (check_report_dir, command_line, copy_config, header_markdown, markdown_table,
                                         software_line, sweep_markdown, sweep_series, write_json)
 from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.runner import check_study, machine_info, open_study, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_sweep
 from crossbow_tf.errors import ConfigError, CrossbowError
-from crossbow_tf.files import atomic_write_text
+from crossbow_tf.files import atomic_write_text, recorded_path
 
 
 def parse_args(argv):
@@ -97,15 +97,17 @@ def sweep(argv=None):
             from crossbow_tf.compare import reproduce
             return reproduce.main(study_argv(args))
         experiment, spec, plan = build(args)
-        out = args.out or os.path.join("reports", experiment.get("name", "experiment") + "-sweep")
+        out = recorded_path(args.out) or os.path.join("reports", experiment.get("name", "experiment") + "-sweep")
         total = len(plan) * len(spec.seeds)
         if args.dry_run:
             check_study(args, out)
+            check_report_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
             for series, g, label, point, _ in plan:
                 print(f"{series} global batch {g} {label}: {describe(point)}")
             print(f"{total} runs")
             return 0
         study = open_study(args, out)
+        trials_lib.remember_name(study, out)
     except CrossbowError as e:
         return cli.fail("sweep", e)
     except OSError as e:   # the report directory cannot be made
@@ -126,6 +128,9 @@ def sweep(argv=None):
         print("sweep: the study is not complete (runs whose workers died too often); rerun with --resume",
               file=sys.stderr)
         return 1
+    if args.worker and not trials_lib.claim_report(runner.study, out):
+        runner.say(f"sweep: the study is complete; another worker writes the report in {out}")
+        return 0
     plot_sweep(sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
     records = [r for points in result.values() for *_, recs in points for r in recs]
     text = sweep_markdown(spec, result)

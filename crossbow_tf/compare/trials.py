@@ -14,7 +14,9 @@ with the storage's heartbeat while its training process runs, and tells its valu
 accuracy) with the run's outcome in user attributes. A worker that dies leaves a RUNNING trial
 whose heartbeat stops: the next worker's ``fail_stale_trials`` marks it failed and Optuna's
 retry callback (``RetryHeartbeatStaleTrialCallback``) enqueues it again (same run key), so it runs again and, being one key,
-is counted once. Nothing here imports TensorFlow.
+is counted once. On a journal storage, which Optuna gives no heartbeat, the workers beat in a
+user attribute of the trial and fail a silent one themselves (``Study.fail_silent_trials``).
+Nothing here imports TensorFlow.
 """
 import dataclasses
 import hashlib
@@ -36,6 +38,7 @@ PLAN_ATTR = "crossbow_plan"    # the study's user attribute: the fingerprint of 
 STORAGE_FILE = "study.db"      # the default storage: an SQLite file inside the report directory
 DEFAULT_HEARTBEAT = 30         # seconds; a trial is stale (its worker dead) after 3 heartbeats missed
 MAX_RETRY = 3                  # a run whose worker died is taken again at most this many times
+BEAT_ATTR = "heartbeat"        # a trial's user attribute on a journal storage: [trial number, time of the last beat]
 POLL = 2.0                     # seconds between looks at the storage while waiting for a claimable trial
 
 try:   # Optuna 4.9 renamed the retry of a heartbeat-stale trial
@@ -108,7 +111,8 @@ def _check_storage_file(url, path, makes_folder):
 def open_storage(url, heartbeat=DEFAULT_HEARTBEAT):
     """An Optuna storage for URL: a database URL (sqlite:///file, mysql://, postgresql://) with the
     heartbeat and the retry of dead workers' trials, or ``journal:PATH`` (Optuna's journal file on a
-    shared filesystem; Optuna gives it no heartbeat, so a dead worker's trial is not retried)."""
+    shared filesystem; Optuna gives it no heartbeat, so the workers keep their own there:
+    Study.fail_silent_trials)."""
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend, JournalStorage
         path = url[len("journal:"):]
@@ -170,6 +174,9 @@ class Study:
             if not i.replicate:
                 self.search.setdefault(i.group, []).append(i.key)
         self.poll = min(POLL, max(0.2, heartbeat / 3))
+        self.heartbeat = heartbeat
+        # Optuna gives its journal storage no heartbeat: the workers keep one of their own there.
+        self.own_heartbeat = type(storage).__name__ == "JournalStorage"
         mark = fingerprint(self.items)
         try:
             self.study = optuna.create_study(storage=storage, study_name=name, direction="maximize")
@@ -233,6 +240,27 @@ class Study:
             if self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                 Retry(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(t._trial_id))
 
+    def fail_silent_trials(self, now=None):
+        """fail_stale_trials for a storage without Optuna's heartbeat (the journal): a running trial
+        whose worker's own beat (user attribute BEAT_ATTR: [trial number, time]) is older than three
+        heartbeats is failed and enqueued again by the retry callback, as Optuna does for a database.
+        Returns the run keys given back."""
+        now = time.time() if now is None else now
+        given_back = []
+        for t in self.trials():
+            beat = t.user_attrs.get(BEAT_ATTR)
+            # A retry copies its trial's attributes: a beat counts only for the trial that made it.
+            if t.state != TrialState.RUNNING or not beat or beat[0] != t.number or now - beat[1] <= 3 * self.heartbeat:
+                continue
+            try:
+                failed = self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+            except RuntimeError:   # another worker failed it first (UpdateFinishedTrialError)
+                continue
+            if failed:
+                Retry(max_retry=MAX_RETRY)(self.study, self.storage.get_trial(t._trial_id))
+                given_back.append(t.user_attrs.get("run"))
+        return given_back
+
     def complete(self):
         return set(self.current()) >= set(self.by_key)
 
@@ -249,6 +277,8 @@ class Study:
         """(trial, item) of the first waiting trial this worker may run, claimed; (None, None) when
         none may run now; raises StopIteration when nothing is waiting or running."""
         fail_stale_trials(self.study)   # a dead worker's trial: failed, and enqueued again by the callback
+        if self.own_heartbeat:
+            self.fail_silent_trials()
         trials = self.trials()
         done = self.current(trials)
         # In the plan's order (a retried trial keeps its place), then oldest first.
@@ -301,13 +331,20 @@ class Study:
         tid = trial._trial_id
         stop = threading.Event()
         beat = getattr(self.storage, "get_heartbeat_interval", lambda: None)()
+        if self.own_heartbeat:
+            beat = self.heartbeat
+
+            def record(tid):
+                self.storage.set_trial_user_attr(tid, BEAT_ATTR, [trial.number, time.time()])
+        else:
+            record = getattr(self.storage, "record_heartbeat", None)
         if beat:
-            self.storage.record_heartbeat(tid)
+            record(tid)
 
             def pulse():
                 while not stop.wait(beat):
                     try:
-                        self.storage.record_heartbeat(tid)
+                        record(tid)
                     except Exception:   # noqa: BLE001 - a missed beat; the next one tries again
                         pass
             threading.Thread(target=pulse, daemon=True).start()
@@ -394,7 +431,7 @@ def make_slots(parallel, gpus_per_trial=None):
 @dataclasses.dataclass
 class Options:
     storage: str = None       # None: the default SQLite file in the report directory
-    name: str = None          # the Optuna study's name (default: crossbow:<report folder's name>)
+    name: str = None          # the Optuna study's name (default_name: crossbow:<report folder's name>-<config hash>)
     worker: bool = False
     parallel: int = 1
     heartbeat: int = DEFAULT_HEARTBEAT
@@ -412,7 +449,8 @@ def add_arguments(parser):
                              "(default: sqlite in the report directory)")
     parser.add_argument("--worker", action="store_true",
                         help="join the study in --storage: run its next unclaimed trials until none is left")
-    parser.add_argument("--study-name", help="the Optuna study's name (default: crossbow:<report folder's name>)")
+    parser.add_argument("--study-name", help="the Optuna study's name (default: crossbow:<report folder's name>-<hash "
+                                             "of the config file>, kept in the report directory)")
     parser.add_argument("--heartbeat", type=int, default=DEFAULT_HEARTBEAT, metavar="SECONDS",
                         help="a running trial's heartbeat; after 3 missed, its worker is taken as dead and the "
                              "trial runs again")
@@ -430,9 +468,56 @@ def options(args, out):
                         ("--gpus-per-trial", args.gpus_per_trial)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
-    return Options(storage=args.storage, name=args.study_name or f"crossbow:{os.path.basename(os.path.abspath(out))}",
+    return Options(storage=args.storage, name=args.study_name or default_name(out, getattr(args, "config", None)),
                    worker=args.worker, parallel=args.parallel, heartbeat=args.heartbeat,
                    gpus_per_trial=args.gpus_per_trial, replan=bool(getattr(args, "resume", False)) and not args.worker)
+
+
+NAME_FILE = ".crossbow_study"   # in the report directory: the study's default name, for --resume
+
+
+def default_name(out, config=None):
+    """The study's default name: the report folder's name and a hash of its config file's text, so
+    that two studies whose folders share a name do not meet in a shared storage, while every worker
+    started with the same command computes the same name. A report directory keeps the name it was
+    first given (NAME_FILE), so --resume finds its study after the config was edited; one made
+    before names were kept (its own study.db, no NAME_FILE) keeps the folder's name alone."""
+    folder = os.path.basename(os.path.abspath(out))
+    stored = os.path.join(out, NAME_FILE)
+    if os.path.isfile(stored):
+        with open(stored, encoding="utf-8") as f:
+            name = f.read().strip()
+        if name:
+            return name
+    if os.path.exists(os.path.join(out, STORAGE_FILE)):
+        return f"crossbow:{folder}"
+    try:
+        with open(config, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:8]
+    except (OSError, TypeError):   # no config file (a test's stand-in): the folder's name alone
+        return f"crossbow:{folder}"
+    return f"crossbow:{folder}-{digest}"
+
+
+def remember_name(opts, out):
+    """Keeps the study's name in report directory OUT (made by now), for --resume and the workers."""
+    path = os.path.join(out, NAME_FILE)
+    if not os.path.exists(path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(opts.name + "\n")
+
+
+def claim_report(study, out):
+    """True for the one worker that writes the report of STUDY (a trials.Study, complete) in OUT:
+    the first to create a claim file for the study's plan (O_EXCL, atomic on a local or NFS
+    filesystem). The other workers print one line and leave it; the command without --worker
+    always writes it."""
+    path = os.path.join(out, f".report-{study.name.replace(':', '_')}-{fingerprint(study.items)}")
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def open_given_storage(opts):

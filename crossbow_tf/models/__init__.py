@@ -83,7 +83,8 @@ def resolve_model(spec):
     if function is None:
         raise ConfigError(f"model: {spec}: {where} has no {function_name!r}")
     if not callable(function):
-        raise ConfigError(f"model: {spec}: {function_name} is a {type(function).__name__}, not a function")
+        kind = type(function).__name__
+        raise ConfigError(f"model: {spec}: {function_name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a function")
     return function
 
 

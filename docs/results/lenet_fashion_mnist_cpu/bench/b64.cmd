@@ -1,1 +1,1 @@
-/work/study/tools/bench_throughput.py --model lenet --data mnist-shaped --examples 8192 --batch-size 64 --devices 1 --rounds 3 --ks 8 32 --json docs/results/lenet_fashion_mnist_cpu/bench/b64.json
+tools/bench_throughput.py --model lenet --data mnist-shaped --examples 8192 --batch-size 64 --devices 1 --rounds 3 --ks 8 32 --json docs/results/lenet_fashion_mnist_cpu/bench/b64.json
