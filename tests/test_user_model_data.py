@@ -156,7 +156,7 @@ def test_a_users_model_trains_through_the_engine_and_the_stock_baseline(in_folde
     ("nets/broken.py:build", "nets/broken.py does not import (SyntaxError:"),
     ("nets/absent.py:build", "file nets/absent.py not found"),
     ("user_models:missing", "user_models has no 'missing'"),
-    ("user_models:NOT_A_FUNCTION", "NOT_A_FUNCTION is a int, not a function"),
+    ("user_models:NOT_A_FUNCTION", "NOT_A_FUNCTION is an int, not a function"),
     ("user_models:returns_a_list", "user_models:returns_a_list((28, 28, 1), 10) returned list, not a Keras model"),
     ("user_models:takes_nothing", "user_models:takes_nothing((28, 28, 1), 10) failed (TypeError:"),
     ("lenett", "model: unknown model 'lenett'"),
