@@ -51,6 +51,11 @@ class Rule:
         """Alpha when none is given for NUM_LEARNERS learners (None: the rule has no alpha)."""
         return None if cls.total_pull is None else cls.total_pull / num_learners
 
+    def alpha_for(self, num_learners):
+        """The rule's alpha with NUM_LEARNERS learners: its own, else its default (None: it has none)."""
+        alpha = getattr(self, "alpha", None)
+        return self.default_alpha(num_learners) if alpha is None else alpha
+
     @property
     def synchronises_every_iteration(self):
         return self.sync_period == 1

@@ -131,13 +131,12 @@ class SMA(Rule):
         _check_flag("SMA", "allow_unstable", self.allow_unstable)
 
     def check_central_loop(self, num_learners):
-        alpha = self.default_alpha(num_learners) if self.alpha is None else self.alpha
-        check_central_loop("SMA", alpha, self.central_step, self.central_momentum, num_learners,
+        check_central_loop("SMA", self.alpha_for(num_learners), self.central_step, self.central_momentum, num_learners,
                            self.allow_unstable)
 
     def for_learners(self, num_learners):
         self.check_central_loop(num_learners)
-        bound = dataclasses.replace(self, alpha=self.default_alpha(num_learners) if self.alpha is None else self.alpha)
+        bound = dataclasses.replace(self, alpha=self.alpha_for(num_learners))
         object.__setattr__(bound, "num_learners", num_learners)
         return bound
 
@@ -223,12 +222,11 @@ class ElasticAveragingSGD(Rule):
         _check_flag("ElasticAveragingSGD", "allow_unstable", self.allow_unstable)
 
     def check_central_loop(self, num_learners):
-        alpha = self.default_alpha(num_learners) if self.alpha is None else self.alpha
-        check_central_loop("EASGD", alpha, None, 0.0, num_learners, self.allow_unstable)
+        check_central_loop("EASGD", self.alpha_for(num_learners), None, 0.0, num_learners, self.allow_unstable)
 
     def for_learners(self, num_learners):
         self.check_central_loop(num_learners)
-        return dataclasses.replace(self, alpha=self.default_alpha(num_learners) if self.alpha is None else self.alpha)
+        return dataclasses.replace(self, alpha=self.alpha_for(num_learners))
 
     def local(self, w, v, g, z, lr, share=None):
         delta = self.alpha * (w - z)
