@@ -11,7 +11,7 @@ import sys
 from baselines import TOOL_SECTIONS
 from crossbow_tf import cli
 from crossbow_tf import config as config_lib
-from crossbow_tf.config import read_yaml  # noqa: F401  (tools import it from here too)
+from crossbow_tf.config import apply_overrides, read_yaml  # noqa: F401  (tools import read_yaml from here too)
 from crossbow_tf.errors import ConfigError, CrossbowError, TrainingDiverged
 from crossbow_tf.results import collapse_stop
 
@@ -93,20 +93,7 @@ def build(args, algorithm=None):
         cfg = config_lib.to_dict(config_lib.from_dict(experiment))
     except ConfigError as e:
         raise ConfigError(f"{args.config}: {e}") from None
-    for key, value in (("epochs", args.epochs), ("batch_size", args.batch_size),
-                       ("learners_per_device", args.learners_per_device), ("seed", args.seed)):
-        if value is not None:
-            cfg[key] = value
-    if args.learning_rate is not None:
-        cfg["learning_rate"]["base"] = args.learning_rate
-    if args.data_dir is not None:
-        cfg["data"]["data_dir"] = args.data_dir
-    if args.logical_cpu_devices is not None:
-        cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
-    if args.tensorboard is not None:
-        cfg["tensorboard"] = args.tensorboard
-    if args.precision is not None:
-        cfg["precision"] = args.precision
+    apply_overrides(cfg, args)
     if algorithm is not None:
         cfg["algorithm"]["name"] = algorithm
     try:

@@ -5,27 +5,9 @@ average (crossbow_tf.algorithms.rules.SynchronousSGD). The config's algorithm.na
 """
 import sys
 
-from baselines import _cli
+from baselines._engine_method import command
 
-PROG = "python -m baselines.crossbow_ssgd"
-
-
-def run(args, log=print):
-    cfg, _ = _cli.build(args, algorithm="ssgd")
-    from crossbow_tf.experiment import run_experiment
-    from crossbow_tf.errors import TrainingDiverged
-    try:
-        results = run_experiment(cfg, log=log)
-    except TrainingDiverged as e:   # its results are written too: under this method's name
-        e.results.method = "crossbow_ssgd"
-        raise
-    results.method = "crossbow_ssgd"
-    return results
-
-
-def main(argv=None):
-    return _cli.main(PROG, __doc__.splitlines()[0], run, argv)
-
+run, main = command("crossbow_ssgd", "ssgd", __doc__)
 
 if __name__ == "__main__":
     sys.exit(main())

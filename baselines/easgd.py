@@ -5,27 +5,9 @@ towards the learners (crossbow_tf.algorithms.rules). The config's algorithm.name
 """
 import sys
 
-from baselines import _cli
+from baselines._engine_method import command
 
-PROG = "python -m baselines.easgd"
-
-
-def run(args, log=print):
-    cfg, _ = _cli.build(args, algorithm="easgd")
-    from crossbow_tf.experiment import run_experiment
-    from crossbow_tf.errors import TrainingDiverged
-    try:
-        results = run_experiment(cfg, log=log)
-    except TrainingDiverged as e:   # its results are written too: under this method's name
-        e.results.method = "easgd"
-        raise
-    results.method = "easgd"
-    return results
-
-
-def main(argv=None):
-    return _cli.main(PROG, __doc__.splitlines()[0], run, argv)
-
+run, main = command("easgd", "easgd", __doc__)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,8 +7,11 @@ import typing
 
 import yaml
 
+from crossbow_tf import policy
+from crossbow_tf.algorithms.contract import ALGORITHMS
 from crossbow_tf.optimizer_args import check_optimizer_arguments
 from crossbow_tf.errors import ConfigError, ConfigTypeError
+from crossbow_tf.policy import OPTIMIZER_NAMES, REFUSED_OPTIMIZERS  # noqa: F401  (read from here too)
 
 # Seeds go to NumPy's legacy seeding (keras.utils.set_random_seed), which takes [0, 2**32).
 MAX_SEED = 2**32 - 1
@@ -36,9 +39,12 @@ class DataConfig:
 
 @dataclasses.dataclass
 class AlgorithmConfig:
-    """The update rule (crossbow_tf.algorithms). Keys left null take the rule's default; a key set
-    for a rule that has no such parameter is refused."""
-    name: str = "sma"                       # sma | ssgd | easgd | localsgd
+    """The update rule (crossbow_tf.algorithms: a key of its registry ALGORITHMS, whose rule's
+    parameters are keys here). Keys left null take the rule's default; a null-by-default key set for a
+    rule that has no such parameter is refused. alpha, momentum, central_momentum and weight_decay
+    are checked for every rule and ignored by those without them, so that one file serves several
+    methods (the harness and the baselines change the name)."""
+    name: str = "sma"                       # sma | ssgd | easgd | localsgd (crossbow_tf.algorithms.ALGORITHMS)
     alpha: typing.Optional[float] = None    # None: 1/k for SMA, 0.9/k for EASGD
     momentum: float = 0.9
     central_momentum: float = 0.9
@@ -189,43 +195,61 @@ def _build(cls, mapping, path):
     return cls(**values)
 
 
-ALGORITHM_NAMES = ("sma", "ssgd", "easgd", "localsgd")
-# The optional keys of AlgorithmConfig and the rules that take each (the others are always set).
-RULE_KEYS = {"central_step": ("sma",), "sync_period": ("sma", "easgd"), "period": ("localsgd",),
-             "outer_learning_rate": ("localsgd",), "outer_momentum": ("localsgd",), "nesterov": ("localsgd",),
-             "local_after_epochs": ("localsgd",)}
+# AlgorithmConfig's keys that every experiment carries (checked below whatever the rule): the others
+# are null by default and belong to the rules that take them (rule_keys).
+SHARED_RULE_KEYS = ("name", "alpha", "momentum", "central_momentum", "weight_decay", "allow_unstable", "noise_matching")
 
 
-def _validate_algorithm(a):
-    def need(ok, message):
-        if not ok:
-            raise ConfigError(message)
-    for key, rules in RULE_KEYS.items():
+def rule_keys():
+    """{optional algorithm key: the names of the rules that take it}, from the registry."""
+    optional = [f.name for f in dataclasses.fields(AlgorithmConfig) if f.name not in SHARED_RULE_KEYS]
+    return {key: tuple(name for name, cls in ALGORITHMS.items() if key in cls.config_keys()) for key in optional}
+
+
+def make_rule(a, **overrides):
+    """The update rule of AlgorithmConfig A (keys left null take the rule's defaults), with OVERRIDES;
+    the rule's own checks raise TypeError/ValueError."""
+    cls = ALGORITHMS[a.name]
+    kwargs = {key: getattr(a, key) for key in cls.config_keys()
+              if hasattr(a, key) and getattr(a, key) is not None}
+    return cls(**dict(kwargs, **overrides))
+
+
+def _rule_problem(error):
+    """A rule's check ("SMA: central_step must be ..., got 0.0") as the config's line naming the key."""
+    said = str(error).split(": ", 1)[-1]
+    key, _, problem = said.partition(" ")
+    problem = problem.replace(" or None", " or null").replace("True or False", "true or false")
+    return f"algorithm.{key}: {problem}"
+
+
+def _validate_algorithm(a, need):
+    """The rule's name and keys, then the rule itself: constructing it runs its own checks."""
+    need(a.name in ALGORITHMS,
+         f"algorithm.name: unknown algorithm {a.name!r}; choose {', '.join(ALGORITHMS)}")
+    for key, rules in rule_keys().items():
         need(getattr(a, key) is None or a.name in rules,
              f"algorithm.{key}: applies to {' and '.join(rules)}, not to {a.name}")
-    need(not a.allow_unstable or a.name in ("sma", "easgd"),
-         f"algorithm.allow_unstable: applies to sma and easgd (the rules with a central loop), not to {a.name}")
-    need(a.central_step is None or a.central_step > 0,
-         f"algorithm.central_step: must be positive or null (k*alpha), got {a.central_step}")
-    for key in ("sync_period", "period"):
-        need(getattr(a, key) is None or getattr(a, key) >= 1,
-             f"algorithm.{key}: must be at least 1 (1 synchronises every iteration), got {getattr(a, key)}")
-    need(a.outer_learning_rate is None or a.outer_learning_rate > 0,
-         f"algorithm.outer_learning_rate: must be positive, got {a.outer_learning_rate}")
-    need(a.outer_momentum is None or 0 <= a.outer_momentum < 1,
-         f"algorithm.outer_momentum: must be in [0, 1), got {a.outer_momentum}")
-    need(a.local_after_epochs is None or a.local_after_epochs >= 0,
-         f"algorithm.local_after_epochs: must not be negative, got {a.local_after_epochs}")
+    central = [name for name, cls in ALGORITHMS.items() if cls.has_central_loop]
+    need(not a.allow_unstable or ALGORITHMS[a.name].has_central_loop,
+         f"algorithm.allow_unstable: applies to {' and '.join(central)} (the rules with a central loop), "
+         f"not to {a.name}")
     need(a.noise_matching in ("auto", True, False) and isinstance(a.noise_matching, (bool, str)),
          f"algorithm.noise_matching: must be auto, true or false, got {a.noise_matching!r}")
+    for name in ("momentum", "central_momentum"):
+        value = getattr(a, name)
+        need(0 <= value < 1, f"algorithm.{name}: must be in [0, 1), got {value}")
+    need(a.weight_decay >= 0, "algorithm.weight_decay: must not be negative")
+    need(a.alpha is None or 0 < a.alpha <= 1,
+         f"algorithm.alpha: must be in (0, 1] or null (1/k), got {a.alpha}"
+         + ("; alpha 0 never moves z: the learners would train apart and z stay at its initial weights"
+            if a.alpha == 0 else ""))
+    try:
+        make_rule(a)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(_rule_problem(e)) from None
 
 
-# keras.optimizers.get's names of the optimizers the learners (and the baselines) can take, and those
-# refused, with the reason (crossbow_tf.engine.optimizers says the same once Keras is loaded).
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax", "nadam", "lion", "ftrl")
-REFUSED_OPTIMIZERS = {"lamb": "its layer-wise trust ratio is a norm over a whole weight tensor",
-                      "adafactor": "it factors its second moments over a whole weight tensor",
-                      "muon": "it orthogonalises whole weight matrices"}
 # Arguments of the optimizer that other keys set.
 OPTIMIZER_SET_ELSEWHERE = {"learning_rate": "the learning rate and its schedule are learning_rate's (base, drops, warm-up)"}
 
@@ -252,32 +276,19 @@ def _validate_optimizer(c):
                           f"{name} takes its own step: give optimizer.weight_decay instead")
 
 
-# Why noise matching does not apply, said here for the config and by the engine for Keras objects
-# (crossbow_tf.engine.optimizers.check_noise_matching); here, not in crossbow_tf.algorithms, because
-# the baselines load the config and none of the engine.
-NOISE_MATCHING_LINEAR = ("SGD's step is linear in the gradient, so the learners' mean step is already one step at "
-                         "the global batch")
-NOISE_MATCHING_AT_CENTER = "synchronous SGD already steps z with the global batch's gradient"
-NOISE_MATCHING_PERIODIC = ("it needs the learners' steps of every iteration, and this rule does not synchronise "
-                           "every iteration")
+def _adaptive(c):
+    """Whether C's learners take an adaptive optimizer's step (not the default or a named SGD)."""
+    return c.optimizer is not None and str(c.optimizer.get("name", "")).lower() != "sgd"
 
 
 def noise_matching_excluded(c):
-    """Why noise matching does not apply to C's learners, or None when it does."""
-    a = c.algorithm
-    if c.optimizer is None or str(c.optimizer.get("name", "")).lower() == "sgd":
-        return f"it applies to an adaptive optimizer (optimizer: {{name: adam, ...}}); {NOISE_MATCHING_LINEAR}"
-    if a.name == "ssgd":
-        return f"it applies to averaging rules; {NOISE_MATCHING_AT_CENTER}"
-    if (a.sync_period or 1) != 1 or (a.period or 1) != 1 or a.local_after_epochs is not None:
-        return NOISE_MATCHING_PERIODIC
-    return None
+    """Why noise matching does not apply to C's learners, or None when it does (crossbow_tf.policy)."""
+    return policy.noise_matching_excluded(_adaptive(c), make_rule(c.algorithm))
 
 
 def noise_matching_on(c):
     """Whether C's learners run with noise matching (its auto resolved)."""
-    return c.algorithm.noise_matching is True or (c.algorithm.noise_matching == "auto"
-                                                   and noise_matching_excluded(c) is None)
+    return policy.noise_matching_on(c.algorithm.noise_matching, _adaptive(c), make_rule(c.algorithm))
 
 
 def build_keras_optimizer(spec, learning_rate):
@@ -302,15 +313,9 @@ def expected_learners(c):
 
 def check_central_loop(c, num_learners):
     """Raises ConfigError when C's algorithm has an unstable central loop with NUM_LEARNERS learners
-    (crossbow_tf.algorithms.rules.check_central_loop), unless algorithm.allow_unstable."""
-    if c.algorithm.name not in ("sma", "easgd"):
-        return
-    from crossbow_tf.stability import check_central_loop as check, default_alpha
-    a = c.algorithm
-    alpha = a.alpha if a.alpha is not None else default_alpha(a.name.upper(), num_learners)
+    (its rule's check_central_loop), unless algorithm.allow_unstable."""
     try:
-        check(a.name.upper(), alpha, a.central_step, a.central_momentum if a.name == "sma" else 0.0,
-              num_learners, a.allow_unstable)
+        make_rule(c.algorithm).check_central_loop(num_learners)
     except ValueError as e:
         raise ConfigError(f"algorithm: {str(e).split(': ', 1)[1]}") from None
 
@@ -320,9 +325,7 @@ def _validate(c):
         if not ok:
             raise ConfigError(message)
     _validate_model_and_data(c, need)
-    need(c.algorithm.name in ALGORITHM_NAMES,
-         f"algorithm.name: unknown algorithm {c.algorithm.name!r}; choose {', '.join(ALGORITHM_NAMES)}")
-    _validate_algorithm(c.algorithm)
+    _validate_algorithm(c.algorithm, need)
     _validate_optimizer(c)
     need(c.algorithm.noise_matching is not True or noise_matching_excluded(c) is None,
          f"algorithm.noise_matching: {noise_matching_excluded(c)}")
@@ -350,14 +353,6 @@ def _validate(c):
     need(list(c.learning_rate.drops_at_epochs) == sorted(c.learning_rate.drops_at_epochs)
          and all(e > 0 for e in c.learning_rate.drops_at_epochs),
          "learning_rate.drops_at_epochs: must be positive and increasing")
-    for name in ("momentum", "central_momentum"):
-        value = getattr(c.algorithm, name)
-        need(0 <= value < 1, f"algorithm.{name}: must be in [0, 1), got {value}")
-    need(c.algorithm.weight_decay >= 0, "algorithm.weight_decay: must not be negative")
-    need(c.algorithm.alpha is None or 0 < c.algorithm.alpha <= 1,
-         f"algorithm.alpha: must be in (0, 1] or null (1/k), got {c.algorithm.alpha}"
-         + ("; alpha 0 never moves z: the learners would train apart and z stay at its initial weights"
-            if c.algorithm.alpha == 0 else ""))
     need(0 <= c.seed <= MAX_SEED, f"seed: must be in [0, {MAX_SEED}], got {c.seed}")
     need(c.target_accuracy is None or 0 < c.target_accuracy <= 1,
          f"target_accuracy: must be in (0, 1], got {c.target_accuracy}")
@@ -419,9 +414,9 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 def check_engine_precision(c):
     """Raises ConfigError when C's precision cannot train through crossbow's engine: mixed_float16's
     loss scaling runs on one worker; across the several workers of a TF_CONFIG it is not supported yet."""
-    if c.precision == "mixed_float16" and _tf_config_workers() > 1:
-        raise ConfigError("precision: mixed_float16 (loss scaling) across several workers is not supported yet; "
-                          "train on one worker, or use mixed_bfloat16 or float32")
+    refused = policy.precision_refused(c.precision, _tf_config_workers())
+    if refused:
+        raise ConfigError(f"precision: {refused}; train on one worker, or use mixed_bfloat16 or float32")
 
 
 def _tf_config_workers():
@@ -536,3 +531,28 @@ def load_config(path):
 
 def to_dict(config):
     return dataclasses.asdict(config)
+
+
+# The command-line flags that override a key of the experiment: {argument's dest: dotted key}.
+COMMAND_LINE_OVERRIDES = {"data_dir": "data.data_dir", "epochs": "epochs", "batch_size": "batch_size",
+                          "learning_rate": "learning_rate.base", "learners_per_device": "learners_per_device",
+                          "logical_cpu_devices": "devices.logical_cpu", "seed": "seed", "tensorboard": "tensorboard",
+                          "precision": "precision", "checkpoint_dir": "checkpoint.dir",
+                          "on_divergence": "on_divergence"}
+
+
+def apply_overrides(mapping, args):
+    """Sets in MAPPING (a to_dict) each key whose flag ARGS (an argparse namespace, which may lack
+    some flags) gives; returns whether any was given."""
+    given = False
+    for dest, key in COMMAND_LINE_OVERRIDES.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        *parents, last = key.split(".")
+        target = mapping
+        for parent in parents:
+            target = target[parent]
+        target[last] = value
+        given = True
+    return given

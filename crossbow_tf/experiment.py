@@ -3,7 +3,6 @@ import dataclasses
 import os
 import time
 
-from crossbow_tf.algorithms import ALGORITHMS
 from crossbow_tf.distribute import CrossbowStrategy
 from crossbow_tf.distribute.devices import split_cpu, start_cluster
 from crossbow_tf.errors import ConfigError
@@ -12,13 +11,9 @@ from crossbow_tf.errors import ConfigError
 def make_algorithm(cfg):
     """CFG's update rule; its keys left null take the rule's defaults (config.py refuses keys set
     for a rule that does not take them)."""
-    a = cfg.algorithm
-    cls = ALGORITHMS[a.name]
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    kwargs = {k: v for k, v in dataclasses.asdict(a).items() if k in fields and v is not None}
-    if cfg.optimizer is not None:
-        kwargs.update(_rule_momentum_and_decay(cfg, _keras_optimizer(cfg)))
-    return cls(**kwargs)
+    from crossbow_tf.config import make_rule
+    overrides = _rule_momentum_and_decay(cfg, _keras_optimizer(cfg)) if cfg.optimizer is not None else {}
+    return make_rule(cfg.algorithm, **overrides)
 
 
 def _keras_optimizer(cfg):
@@ -88,7 +83,7 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
         keras.utils.set_random_seed(cfg.seed)
         return build_model(cfg.model, data.input_shape, data.num_classes)
 
-    if "allow_unstable" in {f.name for f in dataclasses.fields(algorithm)}:
+    if algorithm.has_central_loop:
         # The tuner measures images/s only: every m is measured, and the stability guard applies
         # to the m it chooses, before training.
         algorithm = dataclasses.replace(algorithm, allow_unstable=True)
@@ -157,10 +152,11 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None
     same call: only the chief logs to LOG, the others log to stderr with a worker prefix.
     """
     from crossbow_tf.config import check_engine_precision
+    from crossbow_tf.policy import divergence_refused
     check_engine_precision(cfg)
-    if cfg.on_divergence == "rollback" and not cfg.checkpoint.dir:
-        raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: "
-                          "give checkpoint.dir (--checkpoint-dir)")
+    refused = divergence_refused(cfg.on_divergence, cfg.checkpoint.dir)
+    if refused:
+        raise ConfigError(f"on_divergence: {refused}: give checkpoint.dir (--checkpoint-dir)")
     # Before the devices: a checkpoint that cannot be resumed is refused before TensorFlow starts work.
     # (On several workers only the chief has the checkpoints: it decides once the workers are up.)
     resume_point = find_resume_point(cfg, resume, log) if cfg.checkpoint.dir and cluster is None else None
@@ -175,20 +171,50 @@ def run_experiment(cfg, log=print, resume=False, stop_signals=None, cluster=None
 
 
 def _run(cfg, devices, log, resume_point, stop_signals, cluster):
-    import keras
-
-    from crossbow_tf.config import check_central_loop, check_fits_data, noise_matching_on, to_dict
+    from crossbow_tf.config import check_fits_data
     from crossbow_tf.data import load_dataset
-    from crossbow_tf.data.pipeline import iterations_per_epoch
-    from crossbow_tf.engine.core import Engine
-    from crossbow_tf.engine.schedule import StepSchedule
-    from crossbow_tf.engine.checkpoint import Checkpoints
     from crossbow_tf.engine.trainer import train
-    from crossbow_tf.models import build_model
-    from crossbow_tf.results import RunResults
 
     data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     check_fits_data(cfg, learners=True, train_size=data.train.size, devices=len(devices))
+    engine, strategy, tuning = _build_engine(cfg, devices, data, log, resume_point, cluster)
+    schedule, per_epoch = _schedule(cfg, data, strategy)
+    log(_start_line(cfg, data, engine, strategy, per_epoch))
+    results = _results(cfg, engine, strategy, cluster, tuning)
+    checkpoints = _checkpoints(cfg, engine, strategy)
+    progress = None
+    if resume_point is not None:
+        path, progress = checkpoints.restore_newest(results, log=log)
+        results.extra.setdefault("resumed_at_iterations", []).append(progress.iteration)
+        tuned = " (auto-tuned m kept)" if cfg.learners_per_device == "auto" else ""
+        log(f"resuming from {path}: iteration {progress.iteration}, {progress.epoch} epoch(s) done{tuned}")
+    tensorboard = None
+    if cfg.tensorboard and (cluster is None or cluster.is_chief):   # only the chief writes files
+        from crossbow_tf.tensorboard import EvaluationWriter
+        tensorboard = EvaluationWriter(cfg.tensorboard)
+    start = time.perf_counter()
+    train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
+          target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
+          eval_batch_size=cfg.eval_batch_size, log=log, learner_diagnostics=cfg.learner_diagnostics,
+          collapse_epochs=cfg.collapse_epochs, batchnorm_eval=cfg.batchnorm_eval,
+          batchnorm_batches_count=cfg.batchnorm_batches, checkpoints=checkpoints, progress=progress,
+          on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals,
+          on_evaluation=tensorboard)
+    results.extra["total_time"] = time.perf_counter() - start
+    if cfg.target_accuracy is not None:
+        log(results.target_summary(cfg.target_accuracy))
+    return results
+
+
+def _build_engine(cfg, devices, data, log, resume_point, cluster):
+    """(Engine, strategy, TuningResult or None) of CFG on DEVICES: learners per device from the
+    checkpoint resumed, the tuner or the config; the central loop checked with the k chosen."""
+    import keras
+
+    from crossbow_tf.config import check_central_loop, noise_matching_on
+    from crossbow_tf.engine.core import Engine
+    from crossbow_tf.models import build_model
+
     # As a Keras user sets it, before any model is built (the tuner's included): the layers compute
     # in the policy's dtype, and their variables, the learners' stacks and z stay float32.
     keras.mixed_precision.set_global_policy(cfg.precision)
@@ -214,51 +240,51 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
     # Seeded after tuning, which draws random numbers: the run is the one a fixed m would give.
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    engine = Engine(model, loss, algorithm, strategy, **engine_kwargs)
-    global_batch = strategy.num_learners * cfg.batch_size
-    per_epoch = iterations_per_epoch(data.train.size, global_batch)
+    return Engine(model, loss, algorithm, strategy, **engine_kwargs), strategy, tuning
+
+
+def _schedule(cfg, data, strategy):
+    """(StepSchedule, iterations per epoch) of CFG's learning rate with STRATEGY's global batch."""
+    from crossbow_tf.data.pipeline import iterations_per_epoch
+    from crossbow_tf.engine.schedule import StepSchedule
+    per_epoch = iterations_per_epoch(data.train.size, strategy.num_learners * cfg.batch_size)
     lr = cfg.learning_rate
-    schedule = StepSchedule.from_epochs(lr.base, lr.drops_at_epochs, lr.drop_factor, lr.warmup_epochs, per_epoch)
-    log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
-        f"{engine.algorithm.name} with k={strategy.num_learners} learners "
-        f"({_placement(strategy)}), batch {cfg.batch_size} per learner, "
-        f"{per_epoch} iterations per epoch, on {_device_line(strategy)}"
-        f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision}'}"
-        f"{f', noise matching (decay {engine.noise_decay:g})' if engine.noise_decay is not None else ''}")
+    return StepSchedule.from_epochs(lr.base, lr.drops_at_epochs, lr.drop_factor, lr.warmup_epochs, per_epoch), per_epoch
+
+
+def _start_line(cfg, data, engine, strategy, per_epoch):
+    return (f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
+            f"{engine.algorithm.name} with k={strategy.num_learners} learners "
+            f"({_placement(strategy)}), batch {cfg.batch_size} per learner, "
+            f"{per_epoch} iterations per epoch, on {_device_line(strategy)}"
+            f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision}'}"
+            f"{f', noise matching (decay {engine.noise_decay:g})' if engine.noise_decay is not None else ''}")
+
+
+def _results(cfg, engine, strategy, cluster, tuning):
+    from crossbow_tf.config import to_dict
+    from crossbow_tf.results import RunResults
     results = RunResults(engine.algorithm.name, to_dict(cfg), devices=strategy.devices,
-                         num_learners=strategy.num_learners, global_batch=global_batch)
+                         num_learners=strategy.num_learners, global_batch=strategy.num_learners * cfg.batch_size)
     if cluster is not None:
         results.extra["workers"] = cluster.num_workers
     if tuning is not None:
         results.extra["autotune"] = tuning.to_dict()
-    checkpoints, progress = None, None
-    if cfg.checkpoint.dir:
-        c = cfg.checkpoint
-        checkpoints = Checkpoints(c.dir, engine, every_iterations=c.every_iterations, at_epoch_end=c.at_epoch_end,
-                                  max_to_keep=c.max_to_keep)
-        checkpoints.base_record = dict(config=to_dict(cfg), learners_per_device=strategy.learners_per_device,
-                                       workers=strategy.num_workers)
-    if resume_point is not None:
-        path, progress = checkpoints.restore_newest(results, log=log)
-        results.extra.setdefault("resumed_at_iterations", []).append(progress.iteration)
-        tuned = " (auto-tuned m kept)" if cfg.learners_per_device == "auto" else ""
-        log(f"resuming from {path}: iteration {progress.iteration}, {progress.epoch} epoch(s) done{tuned}")
-    tensorboard = None
-    if cfg.tensorboard and (cluster is None or cluster.is_chief):   # only the chief writes files
-        from crossbow_tf.tensorboard import EvaluationWriter
-        tensorboard = EvaluationWriter(cfg.tensorboard)
-    start = time.perf_counter()
-    train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
-          target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
-          eval_batch_size=cfg.eval_batch_size, log=log, learner_diagnostics=cfg.learner_diagnostics,
-          collapse_epochs=cfg.collapse_epochs, batchnorm_eval=cfg.batchnorm_eval,
-          batchnorm_batches_count=cfg.batchnorm_batches, checkpoints=checkpoints, progress=progress,
-          on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals,
-          on_evaluation=tensorboard)
-    results.extra["total_time"] = time.perf_counter() - start
-    if cfg.target_accuracy is not None:
-        log(results.target_summary(cfg.target_accuracy))
     return results
+
+
+def _checkpoints(cfg, engine, strategy):
+    """CFG's Checkpoints of ENGINE, or None without checkpoint.dir."""
+    if not cfg.checkpoint.dir:
+        return None
+    from crossbow_tf.config import to_dict
+    from crossbow_tf.engine.checkpoint import Checkpoints
+    c = cfg.checkpoint
+    checkpoints = Checkpoints(c.dir, engine, every_iterations=c.every_iterations, at_epoch_end=c.at_epoch_end,
+                              max_to_keep=c.max_to_keep)
+    checkpoints.base_record = dict(config=to_dict(cfg), learners_per_device=strategy.learners_per_device,
+                                   workers=strategy.num_workers)
+    return checkpoints
 
 
 def _device_line(strategy):

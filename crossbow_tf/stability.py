@@ -1,15 +1,5 @@
-"""The stability of SMA's and EASGD's central loop: pure arithmetic, shared by the update rules and
+"""The stability of a central loop (SMA's, EASGD's): pure arithmetic, shared by the update rules and
 the configuration's check (which the stock baselines also load, without any of the engine)."""
-
-
-# Each rule's alpha when none is given is its total pull spread over the k learners: Crossbow's
-# 1/k for SMA, and EASGD's moving rate beta = 0.9 (Zhang et al.) as alpha = 0.9/k.
-TOTAL_PULL = {"SMA": 1.0, "EASGD": 0.9}
-
-
-def default_alpha(rule, num_learners):
-    """RULE's ("SMA" or "EASGD") alpha for K learners when none is configured."""
-    return TOTAL_PULL[rule] / num_learners
 
 
 def central_loop_bound(alpha, central_momentum):

@@ -19,7 +19,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED_CROSSBOW = ("crossbow_tf.config", "crossbow_tf.data", "crossbow_tf.models", "crossbow_tf.results",
                     "crossbow_tf.errors", "crossbow_tf.cli", "crossbow_tf.files",   # cli, files: argument and output helpers
                     "crossbow_tf.tensorboard",   # --tensorboard: tf.summary of the evaluations
-                    "crossbow_tf.device_choice")   # the devices a run trains on, as the engine's runs choose them
+                    "crossbow_tf.device_choice",   # the devices a run trains on, as the engine's runs choose them
+                "crossbow_tf.algorithms.contract")   # the rules' registry: the engine methods' names
+# The rule registry and the rules' classes, which the configuration constructs to validate the
+# algorithm: section. Pure arithmetic, no TensorFlow and no engine (test_the_rule_registry_is_pure):
+# the stock baseline loads them with its configuration and never calls them.
+RULE_REGISTRY = ("crossbow_tf.algorithms", "crossbow_tf.algorithms.contract", "crossbow_tf.algorithms.rules")
 ENGINE_PARTS = ("crossbow_tf.engine", "crossbow_tf.distribute", "crossbow_tf.algorithms", "crossbow_tf.keras",
                 "crossbow_tf.experiment")
 
@@ -47,6 +52,21 @@ def test_tf_ssgd_source_imports_no_crossbow_engine_code():
         for module in _imports(os.path.join(REPO, "baselines", name)):
             if module.startswith("crossbow_tf"):
                 assert module.startswith(ALLOWED_CROSSBOW), f"baselines/{name} imports {module}"
+
+
+def test_the_rule_registry_is_pure():
+    """What the stock baseline loads of crossbow_tf.algorithms imports nothing but the standard
+    library and crossbow's TensorFlow-free arithmetic: no TensorFlow, Keras, NumPy or engine."""
+    pure = ("crossbow_tf.algorithms", "crossbow_tf.stability")
+    for module in RULE_REGISTRY:
+        path = module.replace(".", os.sep) + (os.sep + "__init__.py" if module == "crossbow_tf.algorithms" else ".py")
+        imported = list(_imports(os.path.join(REPO, path)))
+        assert imported, path
+        for name in imported:
+            if name.startswith("crossbow_tf"):
+                assert name.startswith(pure), f"{path} imports {name}"
+            else:
+                assert name.split(".")[0] in ("dataclasses", "math", "numbers", "typing"), f"{path} imports {name}"
 
 
 def write(path, doc):
@@ -84,7 +104,8 @@ def test_tf_ssgd_mirrored_run_has_no_engine_code_in_its_process(tmp_path):
     assert d["train_step"].startswith("keras.") and d["optimizer"] == "keras.src.optimizers.sgd.SGD"
     loaded = d["crossbow_modules"]
     assert "crossbow_tf.data" in loaded and "crossbow_tf.models" in loaded   # the list is real
-    assert not [m for m in loaded if m.startswith(ENGINE_PARTS)], loaded
+    assert not [m for m in loaded if m.startswith(ENGINE_PARTS) and m not in RULE_REGISTRY], loaded
+    assert "crossbow_tf.algorithms.rules" in loaded   # the exemption is the registry, loaded with the config
     assert d["trace_time"] >= 0 and d["total_time"] >= e["wall_time"]
 
 

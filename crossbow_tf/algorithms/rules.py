@@ -15,20 +15,23 @@ optimizer's own step and the rule adds the rest: ``correct(w, stepped, z, share)
 learner's weights before the step (W) and after it (STEPPED) and returns its new weights and its
 contribution, as ``local`` does around its momentum step.
 
+Every rule subclasses crossbow_tf.algorithms.contract.Rule, which names the facts the rest of the
+system asks of it, and is registered there (``ALGORITHMS``) under its name.
+
 Averaging rules may synchronise only every H-th iteration (``synchronises``); the learners' own
 step of the other iterations is ``learner_step(w, v, g, lr)``, with no contribution and no z. Which
 of the two an iteration runs is the engine's choice (two compiled steps), never a branch in a rule.
 
 The central loop of SMA and EASGD (with the learners held fixed) is stable exactly while the central
-step beta stays below ``central_loop_bound(alpha, mu_z)``; resolving a rule for k learners refuses
+step beta stays below ``central_loop_bound(alpha, mu_z)``; binding a rule to k learners refuses
 an unstable one (``allow_unstable=True`` runs it anyway).
 """
 import dataclasses
 import math
 import numbers
 
-from crossbow_tf.stability import (central_loop_bound, check_central_loop, default_alpha,  # noqa: F401
-                                   largest_stable_alpha)
+from crossbow_tf.algorithms.contract import ALGORITHMS, Rule, register  # noqa: F401
+from crossbow_tf.stability import central_loop_bound, check_central_loop, largest_stable_alpha  # noqa: F401
 
 
 def _check_fraction(rule, name, value, low_closed, high_closed, allow_none=False):
@@ -74,10 +77,6 @@ def _check_flag(rule, name, value):
         raise TypeError(f"{rule}: {name} must be True or False, got {value!r}")
 
 
-def _every(period, iteration):
-    return (iteration + 1) % period == 0
-
-
 def _learner_step(momentum, weight_decay, w, v, g, lr):
     """A learner's own momentum step: v = mu*v - lr*(g + wd*w); w = w + v (v None when mu is 0)."""
     v = _velocity(momentum, v, lr, g, weight_decay, w)
@@ -92,8 +91,9 @@ def _velocity(momentum, v, lr, g, weight_decay, w):
     return -lr * step if momentum == 0 else momentum * v - lr * step
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class SMA:
+class SMA(Rule):
     """Synchronous model averaging (Crossbow, Koliousis et al. 2019).
 
     Per learner j: s = w; v = mu*v - lr*(g + wd*w); w = w + v; delta = alpha*(s - z); w = w - delta.
@@ -110,13 +110,14 @@ class SMA:
     central_step: float | None = None
     sync_period: int = 1
     allow_unstable: bool = False
-    # k, set by resolve: the decoupled step averages over the learners.
+    # k, set by for_learners: the decoupled step averages over the learners.
     num_learners: int | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     name = "sma"
-    gradient_at_center = False
+    title = "SMA"
+    has_central_loop = True
+    total_pull = 1.0   # Crossbow's alpha = 1/k
     reset_on_lr_drop = True
-    restarts_learners = False
 
     def __post_init__(self):
         # alpha = 0 is allowed: the learners train independently and z never moves (tests use it to
@@ -129,25 +130,15 @@ class SMA:
         _check_period("SMA", "sync_period", self.sync_period)
         _check_flag("SMA", "allow_unstable", self.allow_unstable)
 
-    @property
-    def keeps_learner_velocity(self):
-        """Whether learners need a velocity: with momentum 0 they take plain gradient steps."""
-        return self.momentum != 0
-
-    def resolve(self, num_learners):
-        alpha = default_alpha("SMA", num_learners) if self.alpha is None else self.alpha
-        check_central_loop("SMA", alpha, self.central_step, self.central_momentum, num_learners,
+    def check_central_loop(self, num_learners):
+        check_central_loop("SMA", self.alpha_for(num_learners), self.central_step, self.central_momentum, num_learners,
                            self.allow_unstable)
-        resolved = dataclasses.replace(self, alpha=alpha)
-        object.__setattr__(resolved, "num_learners", num_learners)
-        return resolved
 
-    @property
-    def synchronisation_period(self):
-        return self.sync_period
-
-    def synchronises(self, iteration, iterations_per_epoch=None):
-        return _every(self.sync_period, iteration)
+    def for_learners(self, num_learners):
+        self.check_central_loop(num_learners)
+        bound = dataclasses.replace(self, alpha=self.alpha_for(num_learners))
+        object.__setattr__(bound, "num_learners", num_learners)
+        return bound
 
     def local(self, w, v, g, z, lr, share=None):
         v = _velocity(self.momentum, v, lr, g, self.weight_decay, w)
@@ -171,8 +162,9 @@ class SMA:
         return z + u, u
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class SynchronousSGD:
+class SynchronousSGD(Rule):
     """Crossbow's S-SGD: every learner's gradient is taken at z and z takes one momentum step.
 
     G = sum_j share_j * g_j (share_j = learner j's fraction of the iteration's examples, 1/k for
@@ -182,19 +174,13 @@ class SynchronousSGD:
     weight_decay: float = 0.0
 
     name = "ssgd"
+    title = "Crossbow S-SGD"
     gradient_at_center = True
-    reset_on_lr_drop = False
     keeps_learner_velocity = False
-    restarts_learners = False
 
     def __post_init__(self):
         _check_fraction("SynchronousSGD", "momentum", self.momentum, True, False)
         _check_weight_decay("SynchronousSGD", self.weight_decay)
-
-    def resolve(self, num_learners):
-        return self
-
-    synchronisation_period = 1
 
     def synchronises(self, iteration, iterations_per_epoch=None):
         return True
@@ -207,8 +193,9 @@ class SynchronousSGD:
         return z + u, u
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class ElasticAveragingSGD:
+class ElasticAveragingSGD(Rule):
     """Synchronous elastic averaging SGD (Zhang et al. 2015), with optional learner momentum.
 
     delta = alpha*(w - z) (before the step); v = mu*v - lr*(g + wd*w); w = w + v - delta;
@@ -223,9 +210,9 @@ class ElasticAveragingSGD:
     allow_unstable: bool = False
 
     name = "easgd"
-    gradient_at_center = False
-    reset_on_lr_drop = False
-    restarts_learners = False
+    title = "EASGD"
+    has_central_loop = True
+    total_pull = 0.9   # Zhang et al.'s moving rate beta = k*alpha = 0.9
 
     def __post_init__(self):
         _check_fraction("ElasticAveragingSGD", "alpha", self.alpha, True, True, allow_none=True)
@@ -234,21 +221,12 @@ class ElasticAveragingSGD:
         _check_period("ElasticAveragingSGD", "sync_period", self.sync_period)
         _check_flag("ElasticAveragingSGD", "allow_unstable", self.allow_unstable)
 
-    @property
-    def keeps_learner_velocity(self):
-        return self.momentum != 0
+    def check_central_loop(self, num_learners):
+        check_central_loop("EASGD", self.alpha_for(num_learners), None, 0.0, num_learners, self.allow_unstable)
 
-    def resolve(self, num_learners):
-        alpha = default_alpha("EASGD", num_learners) if self.alpha is None else self.alpha
-        check_central_loop("EASGD", alpha, None, 0.0, num_learners, self.allow_unstable)
-        return dataclasses.replace(self, alpha=alpha)
-
-    @property
-    def synchronisation_period(self):
-        return self.sync_period
-
-    def synchronises(self, iteration, iterations_per_epoch=None):
-        return _every(self.sync_period, iteration)
+    def for_learners(self, num_learners):
+        self.check_central_loop(num_learners)
+        return dataclasses.replace(self, alpha=self.alpha_for(num_learners))
 
     def local(self, w, v, g, z, lr, share=None):
         delta = self.alpha * (w - z)
@@ -266,8 +244,9 @@ class ElasticAveragingSGD:
         return z + total, u
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class LocalSGD:
+class LocalSGD(Rule):
     """Local SGD with an outer optimizer (Lin et al., ICLR 2020; DiLoCo's outer step, Douillard et al. 2023).
 
     Every learner steps every iteration: v = mu*v - lr*(g + wd*w); w = w + v. At a synchronising
@@ -288,9 +267,8 @@ class LocalSGD:
     num_learners: int | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     name = "localsgd"
-    gradient_at_center = False
+    title = "local SGD"
     # Every learner restarts from z at every synchronisation: a step drop needs no reset of its own.
-    reset_on_lr_drop = False
     restarts_learners = True
 
     def __post_init__(self):
@@ -307,19 +285,19 @@ class LocalSGD:
             if self.local_after_epochs < 0:
                 raise ValueError(f"LocalSGD: local_after_epochs must not be negative, got {self.local_after_epochs!r}")
 
-    @property
-    def keeps_learner_velocity(self):
-        return self.momentum != 0
-
-    def resolve(self, num_learners):
-        resolved = dataclasses.replace(self)
-        object.__setattr__(resolved, "num_learners", num_learners)
-        return resolved
+    def for_learners(self, num_learners):
+        bound = dataclasses.replace(self)
+        object.__setattr__(bound, "num_learners", num_learners)
+        return bound
 
     @property
-    def synchronisation_period(self):
-        """H once local steps have begun (after local_after_epochs)."""
+    def sync_period(self):
+        """H once local steps have begun (after local_after_epochs): its parameter ``period``."""
         return self.period
+
+    @property
+    def synchronises_every_iteration(self):
+        return self.period == 1 and self.local_after_epochs is None
 
     def synchronises(self, iteration, iterations_per_epoch=None):
         if self.local_after_epochs:
@@ -328,7 +306,7 @@ class LocalSGD:
                                  "when local steps begin")
             if iteration < self.local_after_epochs * iterations_per_epoch:
                 return True
-        return _every(self.period, iteration)
+        return (iteration + 1) % self.period == 0
 
     def local(self, w, v, g, z, lr, share=None):
         w, v = self.learner_step(w, v, g, lr)
@@ -347,4 +325,3 @@ class LocalSGD:
         return z - self.outer_learning_rate * step, u
 
 
-ALGORITHMS = {"sma": SMA, "ssgd": SynchronousSGD, "easgd": ElasticAveragingSGD, "localsgd": LocalSGD}

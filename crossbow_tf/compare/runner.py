@@ -61,7 +61,7 @@ def _normal_form(text):
         mapping = yaml.safe_load(text) or {}
         experiment, sections = split_sections(mapping)
         algorithm = experiment.setdefault("algorithm", {})
-        if algorithm.get("name", "sma") in ("sma", "easgd"):
+        if __import__("baselines").has_central_loop(algorithm.get("name", "sma")):   # a rule with allow_unstable
             # Permission to run past the stability bound changes no trajectory: runs written before
             # the guard existed are the same runs.
             algorithm["allow_unstable"] = True

@@ -13,7 +13,7 @@ from crossbow_tf import config as config_lib
 from crossbow_tf.errors import ConfigError
 from crossbow_tf.user_model import locate_model
 
-LEARNER_METHODS = ("sma", "easgd", "crossbow_ssgd", "localsgd")     # the global batch is k learners x b
+from baselines import LEARNER_METHODS  # noqa: E402,F401  (the global batch is k learners x b; from the rule registry)
 
 
 @dataclasses.dataclass
@@ -26,14 +26,31 @@ class Entry:
 
 
 @dataclasses.dataclass
-class CompareSpec:
-    entries: list
+class SearchProtocol:
+    """What a comparison and a study share: trials per searched setting (BUDGET), the seeds of the
+    search and of the replication, the target accuracy, and one run's epochs and timeout."""
     budget: int
     search_seeds: list
     seeds: list
     target: float
     epochs: int
     timeout: float
+
+
+def _protocol(section, experiment, where, budget, timeout):
+    """SearchProtocol's fields from SECTION, with BUDGET and TIMEOUT the defaults; EXPERIMENT (a
+    mapping) supplies the target and the epochs."""
+    return dict(budget=_positive(section.get("budget", budget), f"{where}.budget", int),
+                search_seeds=_int_list(section.get("search_seeds", [0]), f"{where}.search_seeds"),
+                seeds=_int_list(section.get("seeds", [0, 1, 2]), f"{where}.seeds"),
+                target=_target(section, experiment, where),
+                epochs=_positive(section.get("epochs", experiment.get("epochs", 10)), f"{where}.epochs", int),
+                timeout=_positive(section.get("timeout", timeout), f"{where}.timeout"))
+
+
+@dataclasses.dataclass
+class CompareSpec(SearchProtocol):
+    entries: list
 
 
 @dataclasses.dataclass
@@ -112,12 +129,7 @@ def parse_compare(section, experiment, where="compare"):
                              _grid(body.get("grid"), f"{w}.grid")))
     _need(any(e.method == "sma" for e in entries) and any(e.method != "sma" for e in entries),
           f"{where}.methods: list sma and at least one baseline ({', '.join(m for m in METHODS if m != 'sma')})")
-    budget = _positive(section.get("budget", 4), f"{where}.budget", int)
-    epochs = _positive(section.get("epochs", experiment.get("epochs", 10)), f"{where}.epochs", int)
-    timeout = _positive(section.get("timeout", 900), f"{where}.timeout")
-    return CompareSpec(entries, budget, _int_list(section.get("search_seeds", [0]), f"{where}.search_seeds"),
-                       _int_list(section.get("seeds", [0, 1, 2]), f"{where}.seeds"),
-                       _target(section, experiment, where), epochs, timeout)
+    return CompareSpec(entries=entries, **_protocol(section, experiment, where, budget=4, timeout=900))
 
 
 def parse_sweep(section, experiment, where="sweep"):
@@ -232,15 +244,9 @@ class Series:
 
 
 @dataclasses.dataclass
-class StudySpec:
+class StudySpec(SearchProtocol):
     global_batches: list
     series: list
-    budget: int
-    search_seeds: list
-    seeds: list
-    target: float
-    epochs: int
-    timeout: float
     notes: list = dataclasses.field(default_factory=list)   # protocol notes the report prints
     point_budgets: dict = dataclasses.field(default_factory=dict)   # G -> budget, where not `budget`
 
@@ -310,12 +316,7 @@ def parse_study(section, experiment, where="sweep"):
     spec = StudySpec(
         global_batches=points,
         series=[_series(name, body, f"{where}.series.{name}", points) for name, body in series.items()],
-        budget=_positive(section.get("budget", 3), f"{where}.budget", int),
-        search_seeds=_int_list(section.get("search_seeds", [0]), f"{where}.search_seeds"),
-        seeds=_int_list(section.get("seeds", [0, 1, 2]), f"{where}.seeds"),
-        target=_target(section, experiment, where),
-        epochs=_positive(section.get("epochs", experiment.get("epochs", 10)), f"{where}.epochs", int),
-        timeout=_positive(section.get("timeout", 1800), f"{where}.timeout"),
+        **_protocol(section, experiment, where, budget=3, timeout=1800),
         notes=[" ".join(n.split()) for n in notes],
         point_budgets=_point_budgets(section.get("point_budgets"), points, f"{where}.point_budgets"))
     _need(any(not s.untuned for s in spec.series), f"{where}.series: at least one series must be searched")

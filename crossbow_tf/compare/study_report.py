@@ -177,7 +177,7 @@ def _cell_text(stats, cap, what="epochs", progress=None):
     return f"{fmt_stat(stats[what], digits, 'n/r')} ({n})"
 
 
-METHOD_WORDS = {"sma": "SMA", "localsgd": "local SGD", "easgd": "EASGD", "crossbow_ssgd": "Crossbow S-SGD"}
+from baselines import METHOD_WORDS  # noqa: E402  (each engine method's rule's title, from the registry)
 
 
 def _series_label(series):
@@ -315,7 +315,7 @@ def verdict(spec, cells, stats, bench, machine=Hardware()):
     return rows, tta
 
 
-AVERAGING_METHODS = ("sma", "easgd", "localsgd")
+from baselines import AVERAGING_METHODS, restarts_learners  # noqa: E402  (from the rule registry)
 BEYOND_CLAIM = ("an averaging method reaches the target (or a higher best accuracy within the cap) sooner than "
                 "tuned S-SGD")
 
@@ -335,7 +335,7 @@ def distance_text(method, distance, spec="{:.3f}"):
     synchronisation, so a 0 there says when the epoch ended, not how far the learners drift."""
     if distance is None:
         return None
-    return RESTARTED if method == "localsgd" and distance == 0 else spec.format(distance)
+    return RESTARTED if restarts_learners(method) and distance == 0 else spec.format(distance)
 
 
 def beyond_crossbow(spec, cells, stats, states):

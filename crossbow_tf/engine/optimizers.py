@@ -17,17 +17,13 @@ written into the clone's learning-rate variable before its update.
 import keras
 import tensorflow as tf
 
-from crossbow_tf.config import NOISE_MATCHING_AT_CENTER, NOISE_MATCHING_LINEAR, NOISE_MATCHING_PERIODIC
+from crossbow_tf import policy
 
-# Keras optimizers whose update of a weight reads only that weight's own elements.
-ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in (
-    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Lion", "Ftrl"))
+# Keras optimizers whose update of a weight reads only that weight's own elements (crossbow_tf.policy).
+ELEMENTWISE = tuple(getattr(keras.optimizers, name) for name in policy.ELEMENTWISE_CLASS_NAMES)
+_ELEMENTWISE_WORDS = ", ".join(policy.ELEMENTWISE_CLASS_NAMES)
 NOT_ELEMENTWISE = {
-    "Lamb": "its layer-wise trust ratio divides by the norm of a whole weight tensor, which over the stacked "
-            "learners would be one norm for all of them",
-    "Adafactor": "it factors its second moments over a weight's last two axes and clips by the RMS of a whole "
-                 "update, which over the stacked learners would mix them",
-    "Muon": "it orthogonalises whole weight matrices, which over the stacked learners would mix them",
+    **{class_name: reason for class_name, _, reason in policy.NOT_ELEMENTWISE.values()},
     "LossScaleOptimizer": "it wraps another optimizer for loss scaling, which the engine does itself: pass the "
                           "inner optimizer with Engine(..., loss_scale=True) (use_sma takes a LossScaleOptimizer "
                           "and does this for you)",
@@ -51,12 +47,11 @@ def check_learner_optimizer(optimizer):
     for cls in type(optimizer).__mro__:
         if cls.__name__ in NOT_ELEMENTWISE and cls.__module__.startswith("keras"):
             raise ValueError(f"{name} cannot be the learners' optimizer: {NOT_ELEMENTWISE[cls.__name__]}; "
-                             "use an elementwise one (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, "
-                             "Nadam, Lion, Ftrl)")
+                             f"use an elementwise one ({_ELEMENTWISE_WORDS})")
     if not isinstance(optimizer, ELEMENTWISE):
         raise ValueError(f"{name} cannot be the learners' optimizer: crossbow_tf cannot tell whether its update "
-                         "is elementwise (the learners' stacked weights need that); use Keras's SGD, Adam, AdamW, "
-                         "RMSprop, Adagrad, Adadelta, Adamax, Nadam, Lion or Ftrl, or a subclass of one")
+                         "is elementwise (the learners' stacked weights need that); use Keras's "
+                         f"{' or '.join(_ELEMENTWISE_WORDS.rsplit(', ', 1))}, or a subclass of one")
     for option, reason in _REFUSED_OPTIONS.items():
         value = getattr(optimizer, option, None)
         if value:
@@ -145,11 +140,9 @@ def second_moment_decay(optimizer):
 
 
 def check_noise_matching(optimizer, rule):
-    """Raises ValueError unless noise matching applies: an adaptive Keras OPTIMIZER for the learners
-    of an averaging RULE."""
-    if optimizer is None or isinstance(optimizer, keras.optimizers.SGD):
-        raise ValueError(f"noise matching applies to an adaptive optimizer (Adam, RMSprop, ...): {NOISE_MATCHING_LINEAR}")
-    if rule.gradient_at_center:
-        raise ValueError(f"noise matching applies to averaging rules: {NOISE_MATCHING_AT_CENTER}")
-    if rule.synchronisation_period != 1 or getattr(rule, "local_after_epochs", None) is not None:
-        raise ValueError(f"noise matching: {NOISE_MATCHING_PERIODIC} (a sync period or local_after_epochs)")
+    """Raises ValueError unless noise matching applies (crossbow_tf.policy): an adaptive Keras
+    OPTIMIZER for the learners of an averaging RULE that synchronises every iteration."""
+    adaptive = optimizer is not None and not isinstance(optimizer, keras.optimizers.SGD)
+    reason = policy.noise_matching_excluded(adaptive, rule)
+    if reason is not None:
+        raise ValueError(f"noise matching: {reason}")

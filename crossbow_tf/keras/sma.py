@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from crossbow_tf.algorithms.rules import ALGORITHMS as RULES, SMA, ElasticAveragingSGD, LocalSGD, SynchronousSGD
+from crossbow_tf.algorithms import ALGORITHMS, Rule   # the registry: every rule there is a name use_sma takes
 from crossbow_tf.distribute.strategy import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
 from crossbow_tf.engine.optimizers import check_noise_matching, is_momentum_sgd, learner_optimizer
@@ -27,7 +27,6 @@ from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
 from crossbow_tf.keras.structure import CompiledLoss, Packer, PackedModel, check_compiled_loss
 
-ALGORITHMS = tuple(RULES)   # the registry's names: every rule there is a name use_sma takes
 STATE_SUFFIX = ".crossbow.npz"
 _ATTRIBUTE = "_crossbow_training"
 _PATCHED = ("fit", "train_step", "train_on_batch", "make_train_function", "save_weights", "load_weights")
@@ -56,8 +55,7 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
     """The update rule for ALGORITHM (a name in ALGORITHMS, or a rule instance such as
     ``SMA(central_step=2.0, sync_period=4)``) with the learner momentum and weight decay of a Keras SGD."""
     is_rule = not isinstance(algorithm, str)
-    if is_rule and not (dataclasses.is_dataclass(algorithm) and hasattr(algorithm, "resolve")
-                        and hasattr(algorithm, "local")):
+    if is_rule and not isinstance(algorithm, Rule):
         raise ValueError(f"algorithm must be a name ({', '.join(ALGORITHMS)}) or an update rule such as "
                          f"crossbow_tf.algorithms.SMA(), got {algorithm!r}")
     if not is_rule and algorithm not in ALGORITHMS:
@@ -83,22 +81,15 @@ def algorithm_from_optimizer(optimizer, algorithm="sma", alpha=None, central_mom
     weight_decay = float(weight_decay)
     if is_rule:
         return _with_learner_optimizer(algorithm, momentum, weight_decay, alpha, central_momentum)
-    if algorithm == "sma":
-        return SMA(alpha=alpha, momentum=momentum,
-                   central_momentum=0.9 if central_momentum is None else float(central_momentum),
-                   weight_decay=weight_decay)
-    if central_momentum is not None:
-        raise ValueError(f"central_momentum applies to SMA only, not to {algorithm!r}")
-    if algorithm == "ssgd":
-        if alpha is not None:
-            raise ValueError("alpha applies to SMA and EASGD, not to synchronous SGD")
-        return SynchronousSGD(momentum=momentum, weight_decay=weight_decay)
-    if algorithm == "localsgd":
-        if alpha is not None:
-            raise ValueError("alpha applies to SMA and EASGD, not to local SGD: pass "
-                             "algorithm=LocalSGD(period=..., outer_learning_rate=...) for its own parameters")
-        return LocalSGD(momentum=momentum, weight_decay=weight_decay)
-    return ElasticAveragingSGD(alpha=alpha, momentum=momentum, weight_decay=weight_decay)
+    cls = ALGORITHMS[algorithm]
+    given = dict(momentum=momentum, weight_decay=weight_decay, alpha=alpha,
+                 central_momentum=None if central_momentum is None else float(central_momentum))
+    for key in ("alpha", "central_momentum"):
+        if given[key] is not None and key not in cls.config_keys():
+            takers = [c.title for c in ALGORITHMS.values() if key in c.config_keys()]
+            raise ValueError(f"{key} applies to {' and '.join(takers)} only, not to {algorithm!r}: pass "
+                             f"algorithm={cls.__name__}(...) for its own parameters")
+    return cls(**{key: value for key, value in given.items() if key in cls.config_keys() and value is not None})
 
 
 def learner_rate_scale(rule, optimizer, scale=1.0):
