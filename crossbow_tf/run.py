@@ -70,39 +70,19 @@ def parse_args(argv):
 def build_config(args):
     """The validated ExperimentConfig of ARGS (config file and overrides); no TensorFlow."""
     from crossbow_tf import config as config_lib
+    from crossbow_tf import policy
     cfg = config_lib.to_dict(config_lib.load_config(args.config))
-    if args.data_dir is not None:
-        cfg["data"]["data_dir"] = args.data_dir
-    for key, value in (("epochs", args.epochs), ("learners_per_device", args.learners_per_device),
-                       ("seed", args.seed)):
-        if value is not None:
-            cfg[key] = value
-    if args.logical_cpu_devices is not None:
-        cfg["devices"]["logical_cpu"] = args.logical_cpu_devices
-    if args.checkpoint_dir is not None:
-        cfg["checkpoint"]["dir"] = args.checkpoint_dir
-    if args.on_divergence is not None:
-        cfg["on_divergence"] = args.on_divergence
-    if args.tensorboard is not None:
-        cfg["tensorboard"] = args.tensorboard
-    if args.precision is not None:
-        cfg["precision"] = args.precision
+    overridden = config_lib.apply_overrides(cfg, args)
     try:
         built = config_lib.from_dict(cfg)
         config_lib.check_fits_data(built)
         config_lib.check_engine_precision(built)
-        if built.on_divergence == "rollback" and not built.checkpoint.dir:   # before TensorFlow, --check too
-            raise ConfigError("on_divergence: rollback needs checkpoints to roll back to: give --checkpoint-dir "
-                              "(or checkpoint.dir)")
+        refused = policy.divergence_refused(built.on_divergence, built.checkpoint.dir)   # before TensorFlow
+        if refused:
+            raise ConfigError(f"on_divergence: {refused}: give --checkpoint-dir (or checkpoint.dir)")
         return built
     except CrossbowError as e:
-        raise type(e)(f"{args.config if _from_file_only(args) else 'command line'}: {e}") from None
-
-
-def _from_file_only(args):
-    return all(v is None for v in (args.data_dir, args.epochs, args.learners_per_device, args.seed,
-                                   args.logical_cpu_devices, args.tensorboard, args.precision,
-                                   args.checkpoint_dir, args.on_divergence))
+        raise type(e)(f"{'command line' if overridden else args.config}: {e}") from None
 
 
 def check_outputs(args, cfg):
@@ -116,17 +96,16 @@ def check_outputs(args, cfg):
         cli.require_tensorboard("--tensorboard" if args.tensorboard is not None else "tensorboard")
 
 
-def check_data(cfg, build=True):
-    """Loads CFG's data set (its files exist and parse), checks that an iteration fits in it and,
-    with BUILD, that CFG's model builds for it (which starts TensorFlow's runtime, so the real
-    command, whose devices are not made yet, checks the data alone)."""
+def check_data(cfg):
+    """For --check only: loads CFG's data set (its files exist and parse), checks that an iteration fits
+    in it and that CFG's model builds for it. Building starts TensorFlow's runtime, so the real command,
+    whose devices are not made yet, must not call this."""
     from crossbow_tf import config as config_lib
     from crossbow_tf.data import load_dataset
     from crossbow_tf.models import build_model
     data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     config_lib.check_fits_data(cfg, train_size=data.train.size)
-    if build:
-        build_model(cfg.model, data.input_shape, data.num_classes)
+    build_model(cfg.model, data.input_shape, data.num_classes)
     return data
 
 

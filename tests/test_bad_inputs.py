@@ -150,7 +150,7 @@ CASES = [
               "optimizer.beta_3: Adam takes no argument 'beta_3'", args=("--check",)),
     yaml_case("unknown precision", "precision: float8\n", "precision: unknown 'float8'; choose float32"),
     yaml_case("central_step negative", "algorithm: {name: sma, central_step: -1}\n",
-              "algorithm.central_step: must be positive or null"),
+              "algorithm.central_step: must be a finite number > 0 or null, got -1.0"),
     yaml_case("sync_period given to localsgd", "algorithm: {name: localsgd, sync_period: 2}\n",
               "algorithm.sync_period: applies to sma and easgd, not to localsgd"),
     yaml_case("noise_matching a word", "algorithm: {noise_matching: banana}\n",
