@@ -8,39 +8,10 @@ import tensorflow as tf
 from keras import layers as L
 
 from crossbow_tf.engine import fused_recurrent
+from crossbow_tf.engine.fused_testing import ArrayContext
 
 B, T, C = 2, 5, 3
 LENGTHS = [5, 2]   # per example, as Embedding(mask_zero=True) masks padded tokens at the end
-
-
-class StackContext:
-    """FORMS_API.md's ctx over explicit (m, ...) stacks of LAYER's variables."""
-
-    def __init__(self, layer, stacks):
-        self.m = int(stacks[0].shape[0])
-        self._layer = layer
-        self._stacks = {id(v): s for v, s in zip(layer.trainable_variables, stacks, strict=True)}
-
-    def weight(self, variable):
-        value = self._stacks[id(variable)]
-        dtype = self._layer.compute_dtype
-        if getattr(variable, "_autocast", True) and value.dtype.is_floating and value.dtype != dtype:
-            return tf.cast(value, dtype)
-        return value
-
-    def set_state(self, variable, value):
-        self._stacks[id(variable)] = value
-
-    def dropout(self, layer, x):
-        raise AssertionError("no dropout in these layers")
-
-    @staticmethod
-    def to_fused(x):
-        return tf.transpose(x, [1, 2, 0, 3]) if len(x.shape) == 4 else x
-
-    @staticmethod
-    def to_stacked(x):
-        return tf.transpose(x, [2, 0, 1, 3]) if len(x.shape) == 4 else x
 
 
 CASES = {
@@ -88,7 +59,7 @@ def _loss(outputs, probes):
 def _fused(layer, stacks, x, mask, probes):
     with tf.GradientTape() as tape:
         tape.watch([x] + stacks)
-        ctx = StackContext(layer, stacks)
+        ctx = ArrayContext.of(layer.trainable_variables, stacks, layer.compute_dtype)
         kwargs = {} if mask is None else {"mask": tf.constant(mask)}
         y = fused_recurrent.apply(ctx, layer, (ctx.to_fused(tf.cast(x, layer.compute_dtype)),), kwargs)
         outputs = [ctx.to_stacked(t) for t in tf.nest.flatten(y)]
@@ -165,6 +136,6 @@ def test_reason_refuses(make, words):
 
 def test_initial_state_is_refused():
     layer, stacks, x, _ = _setup(CASES["lstm"], 1, "float32")
-    ctx = StackContext(layer, stacks)
+    ctx = ArrayContext.of(layer.trainable_variables, stacks, layer.compute_dtype)
     with pytest.raises(ValueError, match="initial_state"):
         fused_recurrent.apply(ctx, layer, (ctx.to_fused(x),), {"initial_state": [tf.zeros((B, 4))] * 2})
