@@ -190,3 +190,47 @@ def test_initial_state_is_refused():
     ctx = ArrayContext.of(layer.trainable_variables, stacks, layer.compute_dtype)
     with pytest.raises(ValueError, match="initial_state"):
         fused_recurrent.apply(ctx, layer, (ctx.to_fused(x),), {"initial_state": [tf.zeros((B, 4))] * 2})
+
+
+def _dropout_engine(learners, devices, steps=2):
+    from crossbow_tf.algorithms import SMA
+    from crossbow_tf.distribute import CrossbowStrategy
+    from crossbow_tf.engine.core import Engine
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((T,), dtype="int32")
+    x = L.Embedding(9, C, mask_zero=True)(tokens)
+    x = L.Bidirectional(L.LSTM(4, dropout=0.3, recurrent_dropout=0.2, return_sequences=True))(x)
+    x = L.GRU(4, dropout=0.2)(x)
+    model = keras.Model(tokens, L.Dense(2)(x))
+    engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SMA(),
+                    CrossbowStrategy(devices=devices, learners_per_device=2), learners=learners)
+    rng = np.random.default_rng(0)
+    kb = engine.num_learners * B
+    losses = []
+    for _ in range(steps):
+        ids = rng.integers(1, 9, (kb, T)).astype(np.int32)
+        ids[:, 3:] *= rng.random((kb, T - 3)) < 0.5           # padding, so the masks matter
+        losses.append(float(engine.train_step(ids, rng.integers(0, 2, kb).astype(np.int32), np.ones(kb), 0.5)[0]))
+    return engine, losses, [w.numpy() for w in model.trainable_variables]
+
+
+def test_recurrent_dropout_in_the_engine_equals_replicated_learners(cpu_devices):
+    """A model with recurrent dropout runs fused (no fallback) and trains as replicated learners do:
+    losses, every learner's weights and the cells' seed states after SMA steps."""
+    from crossbow_tf.engine.fused import FusedLearners
+    fused, losses_f, _ = _dropout_engine("fused", cpu_devices[:1])
+    replicated, losses_r, initial = _dropout_engine("replicated", cpu_devices[:1])
+    assert isinstance(fused.learners, FusedLearners)
+    np.testing.assert_allclose(losses_f, losses_r, atol=2e-5, rtol=0)
+    moved = 0.0
+    for la, lb in zip(fused.learner_weights(), replicated.learner_weights(), strict=True):
+        assert len(la) == len(lb) == len(initial)
+        for a, b in zip(la, lb, strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+        moved = max(moved, max(float(np.abs(a - w0).max()) for a, w0 in zip(la, initial, strict=True)))
+    assert moved > 1e-3
+    states_f = [s.numpy() for d in fused.states for s in d]
+    states_r = [s.numpy() for d in replicated.states for s in d]
+    assert len(states_f) == len(states_r) > 0
+    for a, b in zip(states_f, states_r, strict=True):
+        np.testing.assert_array_equal(a, b)
