@@ -7,49 +7,11 @@ import pytest
 import tensorflow as tf
 from keras import layers as L
 from keras.src.backend import AutocastScope, set_keras_mask
-from keras.src.backend.tensorflow.random import _cast_seed
 
 from crossbow_tf.engine import fused_sequence
+from crossbow_tf.engine.fused_testing import ArrayContext
 
 B, T, V, D = 2, 5, 11, 8
-
-
-def _learner_axis(rank):
-    return 0 if rank <= 3 else rank - 2
-
-
-class StackContext:
-    """FORMS_API.md's ctx over explicit (m, ...) stacks keyed by variable."""
-
-    def __init__(self, m, stacks, read_dtype):
-        self.m, self.stacks, self.read_dtype = m, dict(stacks), read_dtype
-
-    def weight(self, variable):
-        value = self.stacks[id(variable)]
-        if getattr(variable, "_autocast", True) and value.dtype.is_floating and value.dtype != self.read_dtype:
-            return tf.cast(value, self.read_dtype)
-        return value
-
-    def set_state(self, variable, value):
-        self.stacks[id(variable)] = value
-
-    def to_fused(self, x):
-        rank = len(x.shape)
-        return tf.transpose(x, list(range(1, rank - 1)) + [0, rank - 1]) if rank >= 4 else x
-
-    def to_stacked(self, x):
-        rank = len(x.shape)
-        return tf.transpose(x, [rank - 2] + list(range(rank - 2)) + [rank - 1]) if rank >= 4 else x
-
-    def dropout(self, layer, x):
-        if layer.rate <= 0:
-            return x
-        state = self.stacks[id(layer.seed_generator.state)]
-        stacked = self.to_stacked(x)
-        keep = tf.stack([tf.random.stateless_uniform(tf.shape(stacked[i]), seed=_cast_seed(state[i]), dtype=x.dtype)
-                         >= layer.rate for i in range(self.m)])
-        self.stacks[id(layer.seed_generator.state)] = state + tf.constant([0, 1], state.dtype)
-        return tf.where(self.to_fused(keep), x * tf.constant(1 / (1 - layer.rate), x.dtype), tf.constant(0, x.dtype))
 
 
 def _stacks(layer, m, seed):
@@ -81,7 +43,7 @@ def _check(layer, m, fused_args, fused_kwargs, learner_call, slice_out, tol, see
     weights = [stacks[id(v)] for v in layer.trainable_variables]
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(weights)
-        ctx = StackContext(m, stacks, layer.compute_dtype)
+        ctx = ArrayContext(stacks, layer.compute_dtype, m=m)
         fused = fused_sequence.apply(ctx, layer, fused_args, fused_kwargs)
         fused_out = fused[0] if isinstance(fused, tuple) else fused
         cotangent = tf.random.stateless_normal(tf.shape(fused_out), seed=[seed, 1])

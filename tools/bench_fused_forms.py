@@ -13,29 +13,9 @@ import tensorflow as tf
 from keras import layers as L
 
 from crossbow_tf.engine import fused_sequence
+from crossbow_tf.engine.fused_testing import ArrayContext
 
 B, T, D, HEADS, VOCAB = 4, 64, 64, 2, 1000
-
-
-class _Ctx:
-    """FORMS_API.md's ctx over explicit stacks (no dropout: the benched layers have rate 0)."""
-
-    def __init__(self, m, stacks):
-        self.m, self.stacks = m, stacks
-
-    def weight(self, variable):
-        return self.stacks[id(variable)]
-
-    def to_fused(self, x):
-        rank = len(x.shape)
-        return tf.transpose(x, list(range(1, rank - 1)) + [0, rank - 1]) if rank >= 4 else x
-
-    def to_stacked(self, x):
-        rank = len(x.shape)
-        return tf.transpose(x, [rank - 2] + list(range(rank - 2)) + [rank - 1]) if rank >= 4 else x
-
-    def dropout(self, layer, x):
-        return x
 
 
 def _case(name, m):
@@ -63,10 +43,10 @@ def _variants(layer, m, fused_inputs, stacked_inputs):
         return layer.stateless_call(list(ws), [], *xs)[0]
 
     def hand(ws):
-        ctx = _Ctx(m, {id(v): w for v, w in zip(layer.trainable_variables, ws, strict=True)})
+        ctx = ArrayContext.of(layer.trainable_variables, ws)
         return fused_sequence.apply(ctx, layer, fused_inputs, {})
 
-    to_fused = _Ctx(m, {}).to_fused   # the generic form and the loop also end in the fused layout
+    to_fused = ArrayContext.to_fused   # the generic form and the loop also end in the fused layout
 
     def generic(ws):
         return to_fused(tf.vectorized_map(lambda a: per_learner(a[0], *a[1]), (ws, stacked_inputs),

@@ -15,17 +15,9 @@ import tensorflow as tf
 from keras import layers as L
 
 from crossbow_tf.engine import fused_recurrent
+from crossbow_tf.engine.fused_testing import ArrayContext
 
 D, UNITS = 128, 64
-
-
-class _Context:
-    def __init__(self, variables, stacks):
-        self.m = int(stacks[0].shape[0])
-        self._stacks = {id(v): s for v, s in zip(variables, stacks, strict=True)}
-
-    def weight(self, variable):
-        return self._stacks[id(variable)]
 
 
 def _layers(length):
@@ -47,7 +39,7 @@ def _variants(first, second):
         return y
 
     def fused(stacks, x):                     # x (m, b, L, D)
-        ctx = _Context(variables, stacks)
+        ctx = ArrayContext.of(variables, stacks)
         y = fused_recurrent.apply(ctx, first, (tf.transpose(x, [1, 2, 0, 3]),), {})
         return fused_recurrent.apply(ctx, second, (y,), {})
 

@@ -10,6 +10,13 @@ tf.data pipeline, after one warm-up epoch that absorbs tracing.
     python tools/bench_throughput.py --model resnet32 --data cifar-shaped --examples 512
     python tools/bench_throughput.py --ks 8 --precision float32 mixed_bfloat16   # each side in both
 
+The sequence and attention models of tools/bench_models.py (transformer, bilstm, vit) get their own
+table: examples/s of SMA with fused learners and with replicated learners (one call per learner), and
+of plain Keras at k*b and at b, each beside its first iteration's time (tracing included), m = k /
+devices learners per device:
+
+    python tools/bench_throughput.py --model bilstm --devices 2 --ks 4 8 16 --batch-size 4
+
 With several --precision values every runner is built under each Keras global policy and measured
 in the same interleaved rounds; a second table gives each policy's images/s over float32's.
 
@@ -24,12 +31,16 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_learner_forms import SEQUENCE_MODELS  # noqa: E402
+
 from crossbow_tf.config import PRECISIONS  # noqa: E402
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="lenet")
+    p.add_argument("--model", default="lenet",
+                   help=f"a model of crossbow_tf.models, or one of {', '.join(SEQUENCE_MODELS)} (tools/bench_models.py)")
     p.add_argument("--batch-size", type=int, default=16, help="per-learner batch b")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="numbers of learners k")
     p.add_argument("--devices", type=int, default=1, help="logical CPU devices the learners are spread over")
@@ -47,6 +58,8 @@ def parse_args(argv):
     p.add_argument("--precision", nargs="+", default=["float32"], choices=PRECISIONS,
                    help="Keras global dtype policies to measure every runner under (side by side)")
     p.add_argument("--json", metavar="FILE", help="also write the table's numbers to FILE (JSON)")
+    p.add_argument("--sequence-length", type=int, default=64, help="tokens per review (transformer, bilstm)")
+    p.add_argument("--vocabulary", type=int, default=20000, help="token ids (transformer, bilstm; keras-io's 20000)")
     args = p.parse_args(argv)
     bad = [k for k in args.ks if k < 1 or k % args.devices]
     if bad:
@@ -55,6 +68,8 @@ def parse_args(argv):
         p.error("--rounds and --batch-size must be at least 1")
     if any(not 0 <= mu < 1 for mu in args.learner_momentum):
         p.error("--learner-momentum values must be in [0, 1)")
+    if args.model in SEQUENCE_MODELS and (args.sequence_length < 1 or args.vocabulary < 123):
+        p.error("--sequence-length must be at least 1 and --vocabulary at least 123 (the synthetic task's words)")
     return args
 
 
@@ -62,6 +77,9 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from crossbow_tf.distribute.devices import split_cpu
     devices = split_cpu(args.devices)
+    if args.model in SEQUENCE_MODELS:
+        from bench_learner_forms import main as forms_main
+        return forms_main(args, devices)
     import keras
     import numpy as np
     import tensorflow as tf

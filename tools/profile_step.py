@@ -2,6 +2,7 @@
 
     python tools/profile_step.py                      # LeNet, 8 fused learners of 16, one device
     python tools/profile_step.py --k 8 --learner-momentum 0
+    python tools/profile_step.py --model bilstm --k 4 --batch-size 4   # tools/bench_models.py's models
 
 Prints, for one device with K fused learners of batch B and, side by side, one plain Keras model at
 batch K*B (train_on_batch with SGD and momentum), on the same fixed random input:
@@ -29,11 +30,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Model -> (input shape, classes) of the data set it is benchmarked on (MNIST, CIFAR-10).
 INPUTS = {"lenet": ((28, 28, 1), 10), "resnet32": ((32, 32, 3), 10)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_learner_forms import SEQUENCE_MODELS  # noqa: E402
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="lenet", choices=sorted(INPUTS))
+    p.add_argument("--model", default="lenet", choices=sorted(INPUTS) + list(SEQUENCE_MODELS))
+    p.add_argument("--sequence-length", type=int, default=64, help="tokens per review (transformer, bilstm)")
+    p.add_argument("--vocabulary", type=int, default=20000, help="token ids (transformer, bilstm)")
     p.add_argument("--k", type=int, default=8, help="learners (all on one device)")
     p.add_argument("--batch-size", type=int, default=16, help="per-learner batch b")
     p.add_argument("--learner-momentum", type=float, default=0.9)
@@ -48,6 +53,10 @@ def parse_args(argv):
 
 
 def _group(op_name):
+    if op_name.startswith(("while", "scan", "TensorList", "TensorArray")) or "/while/" in op_name:
+        return "inside loops over time"
+    if any(part in op_name for part in ("Gather", "Scatter", "SegmentSum")):
+        return "gathers and scatters"
     if "Conv2D" in op_name:
         return "convolutions"
     if "MatMul" in op_name:
@@ -109,22 +118,30 @@ def main(argv=None):
     from crossbow_tf.engine.core import Engine
     from crossbow_tf.models import build_model
 
-    input_shape, classes = INPUTS[args.model]
+    n = args.k * args.batch_size
+    if args.model in SEQUENCE_MODELS:
+        import bench_models
+        data, build = bench_models.load(args.model, n, args.sequence_length, args.vocabulary)
+        x, y = (tf.constant(a) for a in next(iter(data.train.dataset.batch(n))))
+    else:
+        input_shape, classes = INPUTS[args.model]
+        x = tf.random.uniform((n,) + input_shape)
+        y = tf.random.uniform((n,), 0, classes, tf.int32)
+
+        def build():
+            return build_model(args.model, input_shape, classes)
     keras.utils.set_random_seed(0)
-    model = build_model(args.model, input_shape, classes)
+    model = build()
     engine = Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     SMA(momentum=args.learner_momentum),
                     CrossbowStrategy(devices=["/CPU:0"], learners_per_device=args.k), learners="fused")
-    n = args.k * args.batch_size
-    x = tf.random.uniform((n,) + input_shape)
-    y = tf.random.uniform((n,), 0, classes, tf.int32)
     mask = tf.ones((n,))
 
     def sma_step():
         return engine.train_step(x, y, mask, 0.01)[0].numpy()
 
     keras.utils.set_random_seed(0)
-    plain = build_model(args.model, input_shape, classes)
+    plain = build()
     plain.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
@@ -166,7 +183,8 @@ def main(argv=None):
     for k in names:
         for name, ms in profiles[k][1].items():
             groups[k][_group(name)] += ms
-    for group in ("convolutions", "matmuls", "update (XLA)", "other"):
+    for group in ("convolutions", "matmuls", "inside loops over time", "gathers and scatters", "update (XLA)",
+                  "other"):
         print(f"| op time: {group} (ms, summed over threads) | "
               + " | ".join(f"{groups[k][group]:.2f}" for k in names) + " |")
     for k in names:
