@@ -150,3 +150,56 @@ def test_layers_that_cannot_vectorize_run_per_learner_with_one_notice_naming_all
     assert len(notices) == 1
     assert "'first_odd'" in notices[0] and "'second_odd'" in notices[0] and "Unique" in notices[0]
     assert "'fine'" not in notices[0]
+
+
+class SparseOutput(keras.layers.Layer):
+    """An op TensorFlow cannot vectorize (tf.unique), and a SparseTensor out: the learners' outputs of its
+    call once per learner cannot be stacked either, so it cannot run in the fused computation at all."""
+
+    def call(self, x):
+        values, _ = tf.unique(tf.reshape(tf.cast(x > 0, tf.int32), [-1]))
+        return tf.sparse.from_dense(x + tf.cast(tf.size(values), x.dtype))
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype, sparse=True)
+
+
+class Densify(keras.layers.Layer):
+    def call(self, x):
+        return tf.sparse.to_dense(x)
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype)
+
+
+def sparse_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    x = Densify()(SparseOutput(name="sparse_out")(keras.layers.Dense(4)(inputs)))
+    return keras.Model(inputs, keras.layers.Dense(CLASSES)(x))
+
+
+def train_sparse_model(learners, devices, steps=3):
+    engine = Engine(sparse_model(), LOSS, SMA(), CrossbowStrategy(devices=devices, learners_per_device=2),
+                    learners=learners)
+    rng = np.random.default_rng(0)
+    losses = [float(engine.train_step(rng.standard_normal((4, 4)).astype(np.float32),
+                                      rng.integers(0, CLASSES, 4).astype(np.int32), np.ones(4), 0.1)[0])
+              for _ in range(steps)]
+    return engine, losses
+
+
+def test_a_layer_that_fails_once_per_learner_too_runs_the_model_replicated_with_one_notice(cpu_devices, caplog):
+    with caplog.at_level(logging.WARNING, logger="crossbow_tf"):
+        fused_engine, fused_losses = train_sparse_model("fused", cpu_devices[:1])
+    replicated_engine, replicated_losses = train_sparse_model("replicated", cpu_devices[:1])
+    assert isinstance(fused_engine.learners, FusedLearners) and not fused_engine.learners.fused
+    assert len(fused_losses) == len(replicated_losses) == 3 and fused_losses[0] != fused_losses[-1]
+    np.testing.assert_array_equal(fused_losses, replicated_losses)
+    for ours, theirs in zip(fused_engine.learner_weights(), replicated_engine.learner_weights(), strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            np.testing.assert_array_equal(a, b)
+    notices = [r.getMessage() for r in caplog.records if r.name == "crossbow_tf"]
+    assert len(notices) == 1, notices
+    assert "learners run replicated" in notices[0] and "'sparse_out' (SparseOutput)" in notices[0]
+    assert "op Unique" in notices[0] and "once per learner inside the fused computation failed too" in notices[0]

@@ -6,6 +6,9 @@
     python tools/keras_io_examples.py --learning-rate-scale 2   # use_sma(..., learning_rate_scale=2)
     python tools/keras_io_examples.py --sgd           # every optimizer line swapped for momentum SGD
     python tools/keras_io_examples.py --noise-matching off   # use_sma(..., noise_matching=False)
+    python tools/keras_io_examples.py --scripts text_classification_with_transformer bidirectional_lstm_imdb \
+        --learners-per-device 4 --nlp-reviews 4000 --nlp-maxlen 40 --require-within 3 --require-fused
+                                                      # .ci/run's check of issue 26 (the two NLP scripts)
 
 The scripts are keras-team/keras-io's examples/vision/mnist_convnet.py,
 examples/keras_recipes/antirectifier.py, guides/writing_your_own_callbacks.py and
@@ -600,13 +603,16 @@ def training_with_built_in_methods(sma, step, workdir):
 # here the same call's offline stand-in (crossbow_tf.data.synthetic_imdb: IMDB's ids and shapes, a
 # learnable sentiment rule). Full form: 2,000 / 1,000 reviews and 2 epochs (the scripts' own count);
 # short form: 256 reviews of at most 40 words, 1 epoch.
+# --nlp-reviews N and --nlp-maxlen L set the full form's size instead (CI's keras-io step: fewer, shorter
+# reviews, the scripts' models, optimizers, batch size and 2 epochs unchanged).
 NLP_FULL_REVIEWS, NLP_SHORT_REVIEWS, NLP_SHORT_MAXLEN = 2000, 256, 40
+NLP_SIZE = {"reviews": None, "maxlen": None}
 
 
 def _imdb(step, num_words, maxlen):
     from crossbow_tf.data.synthetic_imdb import load_synthetic_imdb
-    count = NLP_SHORT_REVIEWS if step.short else NLP_FULL_REVIEWS
-    maxlen = min(maxlen, NLP_SHORT_MAXLEN) if step.short else maxlen
+    count = NLP_SHORT_REVIEWS if step.short else NLP_SIZE["reviews"] or NLP_FULL_REVIEWS
+    maxlen = min(maxlen, NLP_SHORT_MAXLEN) if step.short else min(maxlen, NLP_SIZE["maxlen"] or maxlen)
     (x_train, y_train), (x_val, y_val) = load_synthetic_imdb(num_words=num_words, train_size=count,
                                                              test_size=count // 2)
     return (keras.utils.pad_sequences(x_train, maxlen=maxlen), y_train,
@@ -780,7 +786,12 @@ def main(argv=None):
                         "is at most POINTS below plain Keras's")
     p.add_argument("--require-fused", action="store_true",
                    help="exit 1 if the SMA run of any script logged that its learners run replicated")
+    p.add_argument("--nlp-reviews", type=_positive, metavar="N",
+                   help=f"the NLP scripts' training reviews (half as many test reviews; default {NLP_FULL_REVIEWS})")
+    p.add_argument("--nlp-maxlen", type=_positive, metavar="L",
+                   help="the NLP scripts' maxlen, if below their own 200")
     args = p.parse_args(argv)
+    NLP_SIZE.update(reviews=args.nlp_reviews, maxlen=args.nlp_maxlen)
     noise_matching = {"auto": "auto", "on": True, "off": False}[args.noise_matching]
     results = run(args.scripts, args.short, args.sgd, args.learning_rate_scale, args.seed, args.only,
                   args.local_sgd_outer_rate, noise_matching)
@@ -833,6 +844,16 @@ def main(argv=None):
         print(f"keras_io_examples: every step that runs in plain Keras runs with SMA, and SMA is within "
               f"{args.require_within:g} points of plain Keras on every classifier")
     return 1 if problems else 0
+
+
+def _positive(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def _short(outcome):

@@ -8,7 +8,10 @@ by the rank of the single-learner tensor, so that the expensive layers need no t
   convolution followed by a grouped 1x1 convolution;
 - sequences (b, L, C) -> (b, L, m, C): a Conv1D is a grouped convolution of (b, 1, L, m*C), 1-D
   pooling works on (b, L, m*C);
-- features (b, F) -> (m, b, F): a Dense over all learners is one batched matmul.
+- features (b, F) -> (m, b, F): a Dense over all learners is one batched matmul;
+- volumes (b, D, H, W, C) and ConvLSTM2D/3D's inputs (rank 6) keep the image layout, learners second
+  to last; only the generic form (below) and the rank-free forms (Dense, Dropout, BatchNorm, Flatten,
+  merges) meet them.
 Flatten and global pooling move from the first two layouts to the third. BatchNorm keeps statistics
 per learner; Dropout draws each learner's mask from that learner's own seed, exactly as Keras does,
 so fused and replicated learners compute the same numbers. Rescaling and Normalization act on
@@ -30,9 +33,14 @@ returns float32. The loss is computed in float32 (``per_example_loss_fn``).
 
 The model's Keras graph is walked with each layer replaced by its fused form; a model with a layer
 that has no fused form raises UnsupportedModel, and `make_learners` falls back to replicated
-learners with a one-line notice, once per model.
+learners with a one-line notice, once per model. A layer of the generic form whose ops TensorFlow
+cannot vectorize runs once per learner inside the fused computation; if that fails too (its outputs
+cannot be stacked, say), the learners switch to the replicated computation for good, with the same
+notice naming the layer, the op and the failure.
 """
+import contextlib
 import logging
+import re
 import weakref
 
 import keras
@@ -54,12 +62,29 @@ from crossbow_tf.engine.replicated import (ReplicatedLearners, in_variable_dtype
 
 log = logging.getLogger("crossbow_tf")
 
-# Single-learner ranks with a fused layout: feature vectors, sequences, images.
-_FUSED_RANKS = (2, 3, 4)
+# Single-learner ranks with a fused layout: feature vectors, sequences, images, and volumes (and
+# volumes over time: ConvLSTM2D/3D's inputs), which keep the image layout's learners second to last.
+_FUSED_RANKS = (2, 3, 4, 5, 6)
 
 
 class UnsupportedModel(ValueError):
     """The model has a layer (or use of one) without a fused form."""
+
+
+class PerLearnerCallFailed(RuntimeError):
+    """A layer TensorFlow cannot vectorize also failed when called once per learner inside the fused
+    computation: the whole model has to run replicated."""
+
+
+@contextlib.contextmanager
+def _quiet_tensorflow_log():
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _graph_of(model):
@@ -93,8 +118,8 @@ def _unsupported_in(graph, prefix=""):
                 continue
             ranks = [len(t.shape) for t in node.input_tensors]
             bad = [r for r in ranks + [len(t.shape) for t in node.output_tensors] if r not in _FUSED_RANKS]
-            reason = (f"a tensor of rank {bad[0]}; only images (rank 4), sequences (rank 3) and feature "
-                      "vectors (rank 2) are fused") if bad else why_unsupported(layer, ranks)
+            reason = (f"a tensor of rank {bad[0]}; only tensors of rank 2 to 6 (feature vectors, sequences, "
+                      "images, volumes) are fused") if bad else why_unsupported(layer, ranks)
             line = f"layer {prefix + layer.name!r} ({type(layer).__name__}): {reason}"
             if reason is not None and line not in found:
                 found.append(line)
@@ -160,6 +185,20 @@ def _tensors(args):
 
 def _first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def _unvectorized_op(error):
+    """The op of ERROR (tf.vectorized_map's failure) that TensorFlow could not vectorize, and why."""
+    text = str(error)
+    found = re.search(r"No pfor vectorization defined for (\w+)", text)
+    if found:
+        return f"op {found.group(1)} (TensorFlow has no vectorization for it)"
+    found = re.search(r'Input "(\w+)" of op \'(\w+)\' expected to be loop invariant', text)
+    if found:
+        return f"op {found.group(2)} (its {found.group(1)} would differ per learner; TensorFlow vectorizes it only when shared)"
+    # pfor's errors open with "in user code:" and the traceback; the message is the first "...Error:" line.
+    lines = [line.strip() for line in text.splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
+    return lines[0][:300] if lines else _first_line(error)
 
 
 def _register_stateless_random_converters():
@@ -229,15 +268,18 @@ class FusedLearners:
     def __init__(self, model, loss):
         graph = _graph_of(model)
         _check_graph(graph)
-        self.model, self.graph = model, graph
+        self.model, self.graph, self.loss = model, graph, loss
         self.per_example_loss = per_example_loss_fn(loss)
+        # Set when a layer failed in the fused computation (see PerLearnerCallFailed): the learners
+        # then run replicated, through this.
+        self._replicated = None
         self._t_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
         self._s_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
         # Layers the generic form ran once per learner (TensorFlow could not vectorize an op): name -> why.
         self._not_vectorized = {}
 
     # ---- layouts ---------------------------------------------------------------------------
-    # A fused tensor of rank 3 is (m, b, F); of rank 4 or 5, (b, ..., m, C) with the learners second
+    # A fused tensor of rank 3 is (m, b, F); of rank 4 to 7, (b, ..., m, C) with the learners second
     # to last.
     @staticmethod
     def _learner_axis(rank):
@@ -334,14 +376,17 @@ class FusedLearners:
         if generic and first is not None:
             def one_learner(elems):
                 return layer.compute_mask(elems[0], elems[1])
+            # A list input (Attention's [query, value], say) has a list of masks, all None when none is set.
+            if all(mask is None for mask in tf.nest.flatten(previous_mask)):
+                previous_mask = None
+            stacked = tf.nest.map_structure(self.to_stacked, first)
             if previous_mask is None:
-                if layer.compute_mask(self.to_stacked(first)[0], None) is None:
+                if layer.compute_mask(tf.nest.map_structure(lambda t: t[0], stacked), None) is None:
                     return
-                masks = tf.vectorized_map(lambda x: layer.compute_mask(x, None), self.to_stacked(first),
+                masks = tf.vectorized_map(lambda x: layer.compute_mask(x, None), stacked,
                                           fallback_to_while_loop=False)
             else:
-                masks = tf.vectorized_map(one_learner, (self.to_stacked(first), previous_mask),
-                                          fallback_to_while_loop=False)
+                masks = tf.vectorized_map(one_learner, (stacked, previous_mask), fallback_to_while_loop=False)
         else:
             masks = layer.compute_mask(first, previous_mask)
         if masks is None:
@@ -392,15 +437,30 @@ class FusedLearners:
         elems = ([self._stored(v) for v in trainable], [self._stored(v) for v in state],
                  [self.to_stacked(leaves[k]) for k in positions])
         try:
-            outputs, new_states = tf.vectorized_map(one_learner, elems, fallback_to_while_loop=False)
+            with _quiet_tensorflow_log():   # pfor logs each failed conversion at length; the notice says it once
+                outputs, new_states = tf.vectorized_map(one_learner, elems, fallback_to_while_loop=False)
         except (ValueError, NotImplementedError, TypeError) as e:
-            self._not_vectorized[layer.name] = f"{type(layer).__name__}: {_first_line(e)}"
-            per_learner = [one_learner(tf.nest.map_structure(lambda t: t[i], elems)) for i in range(self._m)]
-            outputs = tf.nest.map_structure(lambda *ys: tf.stack(ys), *[p[0] for p in per_learner])
-            new_states = [tf.stack(values) for values in zip(*[p[1] for p in per_learner])] if state else []
+            op = _unvectorized_op(e)
+            self._not_vectorized[layer.name] = f"{type(layer).__name__}: {op}"
+            outputs, new_states = self._once_per_learner(layer, one_learner, elems, bool(state), op)
         for variable, value in zip(state, new_states, strict=True):
             self.set_state(variable, value)
         return tf.nest.map_structure(self.to_fused, outputs)
+
+    def _once_per_learner(self, layer, one_learner, elems, has_state, op):
+        """ONE_LEARNER on each learner's slice of ELEMS, stacked: LAYER's fallback where TensorFlow
+        cannot vectorize OP. Raises PerLearnerCallFailed when that fails too (the model then runs
+        replicated)."""
+        try:
+            per_learner = [one_learner(tf.nest.map_structure(lambda t: t[i], elems)) for i in range(self._m)]
+            outputs = tf.nest.map_structure(lambda *ys: tf.stack(ys), *[p[0] for p in per_learner])
+            new_states = [tf.stack(values) for values in zip(*[p[1] for p in per_learner])] if has_state else []
+        except Exception as failure:   # noqa: BLE001  (any failure here means: not in the fused computation)
+            raise PerLearnerCallFailed(
+                f"layer {layer.name!r} ({type(layer).__name__}): TensorFlow cannot vectorize its {op}, and its "
+                f"call once per learner inside the fused computation failed too ({type(failure).__name__}: "
+                f"{_first_line(failure)[:200]})") from failure
+        return outputs, new_states
 
     # ---- the context of the form modules (see FORMS_API) ----------------------------------
     @property
@@ -519,13 +579,24 @@ class FusedLearners:
         return outputs, new_states
 
     def _announce_not_vectorized(self):
-        if self._not_vectorized and self.model not in _ANNOUNCED:
-            _ANNOUNCED.add(self.model)
+        if self._not_vectorized and self.model not in _ANNOUNCED_PER_LEARNER:
+            _ANNOUNCED_PER_LEARNER.add(self.model)
             log.warning("crossbow_tf: these layers run once per learner (TensorFlow cannot vectorize an op "
                         "of theirs over the learners): %s", "; ".join(
                             f"layer {name!r} ({why})" for name, why in self._not_vectorized.items()))
 
     def __call__(self, weights, states, x, y, mask, scale=None):
+        if self._replicated is None:
+            try:
+                return self._fused_call(weights, states, x, y, mask, scale)
+            except PerLearnerCallFailed as failure:
+                self._weights = self._states = self._new_states = None
+                self._replicated = ReplicatedLearners(self.model, self.loss)
+                self.fused = False
+                _announce_replicated(self.model, failure)
+        return self._replicated(weights, states, x, y, mask, scale)
+
+    def _fused_call(self, weights, states, x, y, mask, scale):
         with tf.GradientTape() as tape:
             tape.watch(weights)
             preds, new_states = self.forward(weights, states, x)
@@ -543,6 +614,8 @@ class FusedLearners:
 # Models already announced as running replicated: the notice comes once per model, not at every
 # Engine (use_sma, the auto-tuner's trials and resumes each build one).
 _ANNOUNCED = weakref.WeakSet()
+# Models already announced as having layers that run once per learner inside the fused computation.
+_ANNOUNCED_PER_LEARNER = weakref.WeakSet()
 
 
 def make_learners(model, loss, mode="auto"):
@@ -554,7 +627,11 @@ def make_learners(model, loss, mode="auto"):
     except UnsupportedModel as e:
         if mode == "fused":
             raise
-        if model not in _ANNOUNCED:
-            _ANNOUNCED.add(model)
-            log.warning("crossbow_tf: learners run replicated (one call per learner): %s", e)
+        _announce_replicated(model, e)
         return ReplicatedLearners(model, loss)
+
+
+def _announce_replicated(model, why):
+    if model not in _ANNOUNCED:
+        _ANNOUNCED.add(model)
+        log.warning("crossbow_tf: learners run replicated (one call per learner): %s", why)
