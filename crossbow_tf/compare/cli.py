@@ -140,6 +140,8 @@ def compare(argv=None):
         print(f"compare: the study is not complete (runs whose workers died too often); rerun with --resume",
               file=sys.stderr)
         return 1
+    if not (sweep_runner if sweep_plan else runner).writes_report:   # another --worker writes the report
+        return 0
 
     rows = compare_rows(spec, outcome)
     curves = {name: load_curves(o["final"]) for name, o in outcome.items()}

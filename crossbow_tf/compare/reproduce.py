@@ -219,6 +219,8 @@ def main(argv=None):
             print("reproduce: the study is not complete (runs whose workers died too often); rerun with --resume",
                   file=sys.stderr)
             return 1
+        if outcome is not None and not runner.writes_report:   # another --worker writes the report
+            return 0
         bench = run_bench(out, experiment, jobs, args.bench_rounds, args.bench_examples, runner.say,
                           args.resume) if "bench" in args.phases else None
         bn = None

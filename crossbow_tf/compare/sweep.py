@@ -126,6 +126,8 @@ def sweep(argv=None):
         print("sweep: the study is not complete (runs whose workers died too often); rerun with --resume",
               file=sys.stderr)
         return 1
+    if not runner.writes_report:   # another --worker finished the study last: that one writes the report
+        return 0
     plot_sweep(sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
     records = [r for points in result.values() for *_, recs in points for r in recs]
     text = sweep_markdown(spec, result)
