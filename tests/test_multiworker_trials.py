@@ -4,6 +4,7 @@ MultiWorkerMirroredStrategy, and a worker killed mid-trial is a lost worker whos
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -211,3 +212,36 @@ def test_namespaces_of_a_killed_harness_are_removed_by_the_next(tmp_path):
     assert [n for n in netns.namespaces() if n.startswith(tag + "-")] == made   # a kill leaves them
     netns.remove_stale()
     assert not [n for n in netns.namespaces() if n.startswith(tag + "-")]
+
+
+def test_two_worker_processes_show_the_studys_progress_and_one_prints_the_final_table(tmp_path):
+    """Issue 27: each --worker process numbers trials and counts them from the storage (every
+    process's), and only the one that finished the study's last trial writes and prints the report."""
+    from test_distributed_study import RUNS, STAND_IN, STUDY, command
+    import numpy as np
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "generated.npz", x_train=rng.random((64, 28, 28, 1), dtype=np.float32),
+             y_train=rng.integers(0, 10, 64), x_test=rng.random((64, 28, 28, 1), dtype=np.float32),
+             y_test=rng.integers(0, 10, 64))
+    config = tmp_path / "study.yaml"
+    config.write_text(yaml.safe_dump(dict(STUDY, data={"name": "npz", "path": str(tmp_path / "generated.npz")})))
+    env = dict(os.environ, CROSSBOW_RUN_PYTHON=str(stand_in), STAND_IN_CALLS=str(tmp_path / "calls"),
+               STAND_IN_ROOT=str(tmp_path), STAND_IN_SLEEP="0.5", TF_CPP_MIN_LOG_LEVEL="2")
+    out = tmp_path / "workers"
+    joining = command(str(config), out, "--storage", f"sqlite:///{tmp_path / 'shared.db'}", "--worker",
+                      "--heartbeat", "2")
+    workers = [subprocess.Popen(joining, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+               for _ in range(2)]
+    logs = [w.communicate(timeout=180)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(logs)[-3000:]
+    done = [[int(n) for n in re.findall(rf"study: (\d+) of {RUNS} trials done", log)] for log in logs]
+    assert all(done), logs   # both ran trials and said how far the study was
+    # The counts are the storage's, not each process's own: they count the other's trials too.
+    assert len(done[0]) + len(done[1]) == RUNS and all(d == sorted(d) for d in done), done
+    assert max(max(d) - len(d) for d in done) > 0, done
+    tables = [log for log in logs if "\nreport: " in log]
+    assert len(tables) == 1, logs
+    assert (out / "report.md").exists()
