@@ -245,3 +245,42 @@ def test_two_worker_processes_show_the_studys_progress_and_one_prints_the_final_
     tables = [log for log in logs if "\nreport: " in log]
     assert len(tables) == 1, logs
     assert (out / "report.md").exists()
+
+
+WORKER_STAND_IN = '''#!{python}
+"""A stand-in for a training run's worker: records its TF_CONFIG; the chief writes results."""
+import json, os, sys
+args = sys.argv[1:]
+results = args[args.index("--results") + 1]
+config = json.loads(os.environ["TF_CONFIG"])
+with open(os.environ["STAND_IN_CALLS"], "a") as f:
+    f.write(os.environ["TF_CONFIG"] + "\\n")
+if config["task"]["index"] == 0:
+    print("epoch   1/1  test accuracy 0.9000  time   1.00s", flush=True)
+    json.dump(dict(method="sma", config={{}}, environment={{}}, num_learners=4, workers=2,
+                   evaluations=[dict(epoch=1, iteration=10, examples=320, wall_time=1.0, accuracy=0.9, loss=0.1,
+                                     test_examples=64)]), open(results, "w"))
+'''
+
+
+def test_workers_on_named_hosts_start_through_the_launcher_with_the_hosts_in_their_tf_config(tmp_path, monkeypatch):
+    stand_in = tmp_path / "python"
+    stand_in.write_text(WORKER_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("STAND_IN_CALLS", str(calls))
+    (tmp_path / "hostfile").write_text("# the study's machines\nnode-a:2300  # chief\n\nnode-b:2301\n")
+    monkeypatch.setenv("CROSSBOW_HOSTFILE", str(tmp_path / "hostfile"))
+    # A launcher that runs the command here ("ssh {host}" or srun's in real use), told the host.
+    monkeypatch.setenv("CROSSBOW_LAUNCHER", "env LAUNCHED_ON={host}")
+    out = tmp_path / "report"
+    prepare_out_dir(str(out))
+    runner = Runner(str(out), 1, out=open(os.devnull, "w"), python=str(stand_in))
+    record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", "t00_s0", "t00", 0, workers=2), 0.5, 60)
+    assert record.summary is not None and record.summary["reached"], record.error
+    configs = sorted((json.loads(line) for line in calls.read_text().splitlines()),
+                     key=lambda c: c["task"]["index"])
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    assert all(c["cluster"] == {"worker": ["node-a:2300", "node-b:2301"]} for c in configs)
+    log1 = (out / "runs" / "sma" / "t00_s0.worker1.log").read_text()
+    assert log1.startswith("$ env LAUNCHED_ON=node-b env TF_CONFIG=")

@@ -81,7 +81,8 @@ def worker_command(command, tf_config, host=None, launcher=DEFAULT_LAUNCHER):
     on HOST through LAUNCHER (its environment given with env, which srun and ssh both pass on)."""
     if host is None:
         return command, {"TF_CONFIG": tf_config}
-    return shlex.split(launcher.format(host=host)) + ["env", f"TF_CONFIG={tf_config}"] + command, {}
+    name = host.rsplit(":", 1)[0]   # host or host:port; the launcher takes the machine's name
+    return shlex.split(launcher.format(host=name)) + ["env", f"TF_CONFIG={tf_config}"] + command, {}
 
 
 def start(index, command, env, cwd, log, cpus=None):
