@@ -173,14 +173,17 @@ class Runner:
         self.writes_report = True          # False: a --worker that did not finish the study's last trial
         # Named machines for multi-worker runs (CROSSBOW_HOSTS=a,b or CROSSBOW_HOSTFILE), started
         # through CROSSBOW_LAUNCHER (default: srun on that node); else local workers on free ports.
-        hostfile = os.environ.get("CROSSBOW_HOSTFILE")
-        self.hosts = (launch.read_hostfile(hostfile) if hostfile else
-                      [h for h in os.environ.get("CROSSBOW_HOSTS", "").split(",") if h.strip()]) or None
+        self._lock = threading.RLock()
+        hostfile, self.hosts_error = os.environ.get("CROSSBOW_HOSTFILE"), None
+        try:
+            self.hosts = (launch.read_hostfile(hostfile) if hostfile else
+                          [h for h in os.environ.get("CROSSBOW_HOSTS", "").split(",") if h.strip()]) or None
+        except OSError as e:   # every multi-worker trial fails with this line
+            self.hosts, self.hosts_error = None, f"CROSSBOW_HOSTFILE {hostfile}: {e.strerror}"
         self.launcher = os.environ.get("CROSSBOW_LAUNCHER", launch.DEFAULT_LAUNCHER)
         self.network = self._network(os.environ.get("CROSSBOW_NETWORK"))
         self.done, self.started = 0, time.time()
         self.durations = []
-        self._lock = threading.RLock()
 
     def _network(self, text):
         """The bandwidth limit of local multi-worker runs (CROSSBOW_NETWORK=RATE[/DELAY], e.g.
@@ -191,7 +194,8 @@ class Runner:
         try:
             limit = netns.Limit.parse(text)
         except ValueError as e:
-            raise ConfigError(f"CROSSBOW_NETWORK: {e}") from None
+            self.say(f"note: CROSSBOW_NETWORK {e}; workers run on loopback")
+            return None
         refused = netns.check_available()
         if refused:
             self.say(f"note: {refused}")
@@ -377,6 +381,10 @@ class Runner:
                 self.say(f"      epoch {m.group(1)}/{m.group(2)}  accuracy {float(m.group(3)):.4f}  "
                          f"{float(m.group(4)):.2f}s{tag}")
         logs = [paths["log"]] + [worker_log(paths["log"], i) for i in range(1, job.workers)]
+        if job.workers > 1 and self.hosts_error:
+            return 2, self.hosts_error
+        if self.hosts and len(self.hosts) < job.workers:
+            return 2, f"{job.workers} workers need {job.workers} hosts; CROSSBOW_HOSTS/CROSSBOW_HOSTFILE name {len(self.hosts)}"
         with contextlib.ExitStack() as stack:
             net = stack.enter_context(netns.Network(job.workers, self.network)) if (
                 self.network and job.workers > 1) else None
