@@ -35,6 +35,7 @@ every epoch on the test split, excluded from the training wall time, and the res
 """
 import contextlib
 import math
+import os
 import sys
 import time
 
@@ -44,6 +45,8 @@ from crossbow_tf.device_choice import choose_devices, device_line, reduction_pro
 from crossbow_tf.errors import ConfigError, TrainingDiverged
 
 PROG = "python -m baselines.tf_ssgd"
+WORKER_TIMEOUT = 60.0   # seconds a collective may wait for another worker (as crossbow_tf.run's default)
+LOST_WORKER = 4         # the exit code of a run that lost a worker (as crossbow_tf.run's)
 
 
 def select_devices(logical_cpu, log=print):
@@ -289,29 +292,109 @@ def crossbow_modules():
     return sorted(m for m in sys.modules if m == "crossbow_tf" or m.startswith("crossbow_tf."))
 
 
+def multi_worker_strategy(cfg, timeout=WORKER_TIMEOUT):
+    """MultiWorkerMirroredStrategy over the workers TF_CONFIG names (None without TF_CONFIG or with
+    one worker). Made first, as TensorFlow requires; its collectives time out after TIMEOUT s, so
+    that a lost peer is an error (exit code 4) rather than a wait without end."""
+    import json
+    import os
+    text = os.environ.get("TF_CONFIG", "").strip()
+    try:
+        cluster = json.loads(text).get("cluster", {}) if text else {}
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"TF_CONFIG is not valid JSON: {e}") from None
+    if sum(len(cluster.get(job) or []) for job in ("chief", "worker")) < 2:
+        return None
+    if cfg.devices.logical_cpu not in (None, 1):
+        raise ConfigError(f"devices.logical_cpu {cfg.devices.logical_cpu} on several workers: "
+                          "MultiWorkerMirroredStrategy takes each worker's GPUs, or its one CPU")
+    import tensorflow as tf
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
 def train(cfg, opts, log=print):
     """Trains CFG with stock TensorFlow S-SGD; returns RunResults (one evaluation per epoch)."""
-    devices = select_devices(cfg.devices.logical_cpu, log)   # first: it fixes TensorFlow's device list
-    import keras
-    import numpy as np
-
+    workers = multi_worker_strategy(cfg)   # first: it starts this worker's TensorFlow server
+    devices = select_devices(cfg.devices.logical_cpu, log) if workers is None else workers.extended.worker_devices
     from crossbow_tf.config import to_dict
     from crossbow_tf.data import load_dataset
     from crossbow_tf.data.pipeline import eval_batches
-    from crossbow_tf.models import build_model
-    from crossbow_tf.results import RunResults, at_chance, reaches
+    from crossbow_tf.results import RunResults
 
     if cfg.learners_per_device != 1:
         log(f"note: learners_per_device {cfg.learners_per_device} ignored: S-SGD runs one replica per device")
     if cfg.algorithm.name != "ssgd":
         log(f"note: algorithm.name {cfg.algorithm.name} ignored: this is synchronous SGD")
     data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
-    strategy = make_strategy(devices, cfg.devices.cross_device_reduction)
-    replicas = len(devices)
+    strategy = workers or make_strategy(devices, cfg.devices.cross_device_reduction)
+    replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    chief = workers is None or workers.cluster_resolver.task_id == 0
     global_batch = cfg.batch_size * replicas
     per_epoch = math.ceil(data.train.size / global_batch)
     schedule, scale = make_schedule(cfg, opts, global_batch, per_epoch)
 
+    model, optimizer = compiled_model(cfg, opts, strategy, data, schedule)
+    # Several workers: one iterator over all epochs, as fit's own (its per_epoch idiom is fit's).
+    train_ds, epoch_variable, steps_per_epoch = training_dataset(data, global_batch, cfg.epochs, cfg.seed,
+                                                                 "repeat" if workers else opts["input"])
+    test_ds = eval_batches(data.test, cfg.eval_batch_size, data.eval_map)
+
+    log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
+        f"stock TensorFlow S-SGD: {describe_strategy(strategy, workers, devices)}, "
+        f"Keras fit + {describe_optimizer(cfg)}, "
+        f"batch {cfg.batch_size} per device (global {global_batch}), peak lr {schedule.peak:.4g}"
+        f"{f' (linear scaling x{scale:.3g})' if opts['lr_scaling'] == 'linear' else ''}, "
+        f"{per_epoch} iterations per epoch, input {opts['input']}"
+        f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision} ({type(model.optimizer).__name__})'}"
+        f"{', a custom loop (Keras 3 fit does not run under MultiWorkerMirroredStrategy)' if workers else ''}")
+
+    results = RunResults("tf_ssgd", to_dict(cfg), devices=devices, num_learners=replicas,
+                         global_batch=global_batch, tf_ssgd_options=opts)
+    tensorboard = None
+    if workers is not None:
+        results.extra["workers"] = workers.extended._num_workers
+    if cfg.tensorboard and chief:   # on several workers only the chief writes files
+        from crossbow_tf.tensorboard import EvaluationWriter
+        tensorboard = EvaluationWriter(cfg.tensorboard)
+    def evaluate():
+        if workers is not None:   # every worker alike (the same stop decisions), outside Keras's evaluate
+            return evaluate_outside_fit(model, test_ds)
+        out = model.evaluate(test_ds, verbose=0, return_dict=True)
+        return float(out["accuracy"]), float(out["loss"])
+
+    record = Recorder(cfg, data, results, optimizer, schedule, tensorboard, log)
+    EpochOrder, EpochClock, DivergenceStop = _callbacks()
+    divergence = DivergenceStop(per_epoch)
+    # The divergence check runs before the clock at each epoch's end, so that a diverged epoch is
+    # neither evaluated nor recorded.
+    clock = record.clock = EpochClock(evaluate, record, diverged=lambda: divergence.found is not None)
+    callbacks = ([EpochOrder(epoch_variable)] if epoch_variable is not None else []) + [divergence, clock]
+    start = time.perf_counter()
+    if workers is not None:
+        fit_on_workers(model, workers, train_ds, cfg.epochs, steps_per_epoch, callbacks)
+    else:
+        model.fit(train_ds, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
+    results.extra["total_time"] = time.perf_counter() - start
+    if tensorboard is not None:
+        tensorboard.close()
+    if divergence.found is not None:
+        raise _diverged(results, divergence.found, per_epoch)
+    results.extra["fit_setup_time"] = clock.train_begin - start if clock.train_begin else None
+    _add_extras(results, model, optimizer, strategy, clock.step_times, per_epoch)
+    results.extra["chief"] = chief
+    if workers is not None and results.evaluations:
+        results.extra["cross_worker"] = gradient_traffic(model, results.extra["workers"], results.evaluations[-1])
+    if cfg.target_accuracy is not None:
+        log(results.target_summary(cfg.target_accuracy))
+    return results
+
+
+def compiled_model(cfg, opts, strategy, data, schedule):
+    """(model, its stock optimizer) built and compiled in STRATEGY's scope, as a Keras user does."""
+    import keras
+
+    from crossbow_tf.models import build_model
     keras.utils.set_random_seed(cfg.seed)   # as crossbow's runs: same seed, same initial weights and orders
     # As a Keras user sets it before building the model; under mixed_float16 compile wraps the
     # optimizer in Keras's LossScaleOptimizer (dynamic loss scaling), as it does for every user.
@@ -323,72 +406,61 @@ def train(cfg, opts, log=print):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
                       jit_compile=opts["jit_compile"])
-    train_ds, epoch_variable, steps_per_epoch = training_dataset(data, global_batch, cfg.epochs, cfg.seed,
-                                                                 opts["input"])
-    test_ds = eval_batches(data.test, cfg.eval_batch_size, data.eval_map)
+    return model, optimizer
 
-    ops = getattr(strategy.extended, "_cross_device_ops", None) if strategy is not None else None
-    kind = (f"MirroredStrategy over {replicas} devices ({device_line(devices, type(ops).__name__ if ops else 'default reduction')})"
-            if strategy is not None else f"one device, no strategy ({device_line(devices)}: {devices[0]})")
-    log(f"{cfg.name}: {cfg.model} on {data.name} ({data.train.size} train / {data.test.size} test), "
-        f"stock TensorFlow S-SGD: {kind}, Keras fit + {describe_optimizer(cfg)}, "
-        f"batch {cfg.batch_size} per device (global {global_batch}), peak lr {schedule.peak:.4g}"
-        f"{f' (linear scaling x{scale:.3g})' if opts['lr_scaling'] == 'linear' else ''}, "
-        f"{per_epoch} iterations per epoch, input {opts['input']}"
-        f"{'' if cfg.precision == 'float32' else f', precision {cfg.precision} ({type(model.optimizer).__name__})'}")
 
-    results = RunResults("tf_ssgd", to_dict(cfg), devices=devices, num_learners=replicas,
-                         global_batch=global_batch, tf_ssgd_options=opts)
-    tensorboard = None
-    if cfg.tensorboard:
-        from crossbow_tf.tensorboard import EvaluationWriter
-        tensorboard = EvaluationWriter(cfg.tensorboard)
-    seen = {"examples": 0}
-    chance = {"run": 0}
+def describe_strategy(strategy, workers, devices):
+    """The start line's words for how the run is distributed."""
+    if workers is not None:
+        return (f"MultiWorkerMirroredStrategy over {workers.extended._num_workers} workers x "
+                f"{len(devices)} device(s) ({device_line(devices, 'collective ring')})")
+    if strategy is None:
+        return f"one device, no strategy ({device_line(devices)}: {devices[0]})"
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    return (f"MirroredStrategy over {strategy.num_replicas_in_sync} devices "
+            f"({device_line(devices, type(ops).__name__ if ops else 'default reduction')})")
 
-    def evaluate():
-        out = model.evaluate(test_ds, verbose=0, return_dict=True)
-        return float(out["accuracy"]), float(out["loss"])
 
-    def record(epoch, epoch_time, train_time, accuracy, loss, logs):
+class Recorder:
+    """Records an epoch's evaluation (EpochClock calls it): the results, TensorBoard, the log line;
+    returns True when the run should stop (target reached, or collapsed at chance)."""
+
+    def __init__(self, cfg, data, results, optimizer, schedule, tensorboard, log):
+        self.cfg, self.data, self.results, self.optimizer = cfg, data, results, optimizer
+        self.schedule, self.tensorboard, self.log = schedule, tensorboard, log
+        self.examples, self.at_chance, self.clock = 0, 0, None
+
+    def __call__(self, epoch, epoch_time, train_time, accuracy, loss, logs):
+        from crossbow_tf.results import at_chance, reaches
+        cfg, data, log = self.cfg, self.data, self.log
         # Keras feeds every example once per epoch (the last batch is smaller, never padded).
-        seen["examples"] += data.train.size
-        iteration = int(optimizer.iterations.numpy())
+        self.examples += data.train.size
+        iteration = int(self.optimizer.iterations.numpy())
         train_loss = float(logs.get("loss", float("nan")))
-        results.add_evaluation(epoch=epoch, iteration=iteration, examples=seen["examples"], wall_time=train_time,
-                               accuracy=accuracy, loss=loss, train_loss=train_loss, epoch_time=epoch_time,
-                               images_per_second=data.train.size / epoch_time,
-                               epoch_start_time=clock.stalls[-1] if clock.stalls else None,
-                               test_examples=data.test.size)
-        if tensorboard is not None:
-            tensorboard(results.evaluations[-1], schedule.value(iteration - 1))
+        stalls = self.clock.stalls
+        self.results.add_evaluation(epoch=epoch, iteration=iteration, examples=self.examples, wall_time=train_time,
+                                    accuracy=accuracy, loss=loss, train_loss=train_loss, epoch_time=epoch_time,
+                                    images_per_second=data.train.size / epoch_time,
+                                    epoch_start_time=stalls[-1] if stalls else None, test_examples=data.test.size)
+        if self.tensorboard is not None:
+            self.tensorboard(self.results.evaluations[-1], self.schedule.value(iteration - 1))
         log(f"epoch {epoch:3d}/{cfg.epochs}  test accuracy {accuracy:.4f}  test loss {loss:.4f}  "
             f"train loss {train_loss:.4f}  time {epoch_time:6.2f}s  "
-            f"{data.train.size / epoch_time:8.0f} images/s  lr {schedule.value(iteration - 1):.4g}")
-        chance["run"] = chance["run"] + 1 if epoch > 1 and at_chance(accuracy, data.num_classes) else 0
-        if cfg.collapse_epochs and chance["run"] >= cfg.collapse_epochs:
-            results.extra["collapsed"] = True
-            log(f"collapsed: test accuracy at chance ({1 / data.num_classes:.0%}) for {chance['run']} epochs "
+            f"{data.train.size / epoch_time:8.0f} images/s  lr {self.schedule.value(iteration - 1):.4g}")
+        self.at_chance = self.at_chance + 1 if epoch > 1 and at_chance(accuracy, data.num_classes) else 0
+        if cfg.collapse_epochs and self.at_chance >= cfg.collapse_epochs:
+            self.results.extra["collapsed"] = True
+            log(f"collapsed: test accuracy at chance ({1 / data.num_classes:.0%}) for {self.at_chance} epochs "
                 f"after the first; stopped at epoch {epoch}")
             return True
         return (cfg.target_accuracy is not None and cfg.stop_at_target
                 and reaches(accuracy, cfg.target_accuracy, data.test.size))
 
-    EpochOrder, EpochClock, DivergenceStop = _callbacks()
-    divergence = DivergenceStop(per_epoch)
-    # The divergence check runs before the clock at each epoch's end, so that a diverged epoch is
-    # neither evaluated nor recorded.
-    clock = EpochClock(evaluate, record, diverged=lambda: divergence.found is not None)
-    callbacks = ([EpochOrder(epoch_variable)] if epoch_variable is not None else []) + [divergence, clock]
-    start = time.perf_counter()
-    model.fit(train_ds, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
-    results.extra["total_time"] = time.perf_counter() - start
-    if tensorboard is not None:
-        tensorboard.close()
-    if divergence.found is not None:
-        raise _diverged(results, divergence.found, per_epoch)
-    results.extra["fit_setup_time"] = clock.train_begin - start if clock.train_begin else None
-    steps = clock.step_times
+
+def _add_extras(results, model, optimizer, strategy, steps, per_epoch):
+    """What a finished run's results say beyond its evaluations: first step and tracing, the classes
+    that trained (the proof that this is stock Keras), the crossbow modules loaded."""
+    import numpy as np
     if len(steps) > 1:
         results.extra["first_step_time"] = steps[0]
         results.extra["trace_time"] = max(steps[0] - float(np.median(steps[1:])), 0.0)
@@ -398,9 +470,96 @@ def train(cfg, opts, log=print):
     results.extra["optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     results.extra["compiled_optimizer"] = f"{type(model.optimizer).__module__}.{type(model.optimizer).__qualname__}"
     results.extra["crossbow_modules"] = crossbow_modules()
-    if cfg.target_accuracy is not None:
-        log(results.target_summary(cfg.target_accuracy))
-    return results
+
+
+def distributed_step(model, strategy):
+    """One S-SGD iteration under STRATEGY, as TensorFlow's custom-loop guide writes it: each replica's
+    loss averaged over the global batch, its gradients applied by the stock optimizer (which sums
+    them over the replicas); returns the iteration's loss."""
+    import tensorflow as tf
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            per_example = _per_example_loss(y, logits)
+            loss = tf.nn.compute_average_loss(per_example)
+            if model.losses:   # regularisation, once per replica's share, as fit adds it
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            scaled = model.optimizer.scale_loss(loss) if hasattr(model.optimizer, "scale_loss") else loss
+        grads = tape.gradient(scaled, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(batch):
+        x, y = batch
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(x, y)), axis=None)
+    return step
+
+
+def _per_example_loss(y, logits):
+    import keras
+    return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+
+
+def fit_on_workers(model, strategy, train_ds, epochs, steps_per_epoch, callbacks):
+    """What model.fit does with CALLBACKS, in a custom loop under STRATEGY (Keras 3's fit does not
+    run under MultiWorkerMirroredStrategy, keras-team/keras#20585). A collective that times out
+    (a lost worker) stops this worker with one line, exit code 4."""
+    import keras
+    import tensorflow as tf
+    step = distributed_step(model, strategy)
+    hooks = keras.callbacks.CallbackList(callbacks, model=model)
+    model.stop_training = False
+    iterator = iter(strategy.experimental_distribute_dataset(train_ds))
+    try:
+        hooks.on_train_begin()
+        for epoch in range(epochs):
+            hooks.on_epoch_begin(epoch)
+            total = 0.0
+            for batch in range(steps_per_epoch):
+                hooks.on_train_batch_begin(batch)
+                total += float(step(next(iterator)))
+                hooks.on_train_batch_end(batch, {"loss": total / (batch + 1)})
+                if model.stop_training:
+                    break
+            hooks.on_epoch_end(epoch, {"loss": total / (batch + 1)})
+            if model.stop_training:
+                break
+        hooks.on_train_end()
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError, tf.errors.CancelledError,
+            tf.errors.AbortedError, tf.errors.InternalError) as e:
+        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        print(f"{PROG}: error: lost a worker (a collective failed: {reason[:200]})", file=sys.stderr, flush=True)
+        os._exit(LOST_WORKER)   # TensorFlow's collective threads may still wait: no interpreter shutdown
+
+
+def evaluate_outside_fit(model, test_ds):
+    """(accuracy, mean loss) of MODEL on TEST_DS, computed here (Keras's evaluate is fit's sibling)."""
+    import numpy as np
+    correct = total = loss = 0.0
+    for x, y in test_ds:
+        logits = model(x, training=False)
+        y = np.asarray(y)
+        correct += float(np.sum(np.argmax(np.asarray(logits), -1) == y))
+        loss += float(np.sum(np.asarray(_per_example_loss(y, logits))))
+        total += len(y)
+    return correct / total, loss / total
+
+
+def gradient_traffic(model, workers, last):
+    """The per-iteration figures a multi-worker run records (the keys of the engine's runs,
+    crossbow_tf.distribute.traffic.summary) up to evaluation LAST: MultiWorkerMirroredStrategy
+    all-reduces the float32 gradients once per iteration, 2(n-1)/n x their bytes per worker in a
+    ring; the time its collectives wait is inside TensorFlow, not measured here (None)."""
+    import numpy as np
+    payload = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    iterations = max(last["iteration"], 1)
+    sent = last["iteration"] * 2 * (workers - 1) / workers * payload
+    return dict(workers=workers, iterations=last["iteration"], all_reduces=last["iteration"], payload_bytes=payload,
+                bytes_sent_per_worker=sent, bytes_per_iteration=sent / iterations,
+                step_ms_per_iteration=1000 * last["wall_time"] / iterations,
+                collective_ms_per_iteration=None, compute_ms_per_iteration=None)
 
 
 def _diverged(results, found, per_epoch):
@@ -422,7 +581,10 @@ def _print(line):
 def run(args, log=_print):
     cfg, sections = _cli.build(args)
     opts = parse_tf_ssgd_options(sections["tf_ssgd"])
-    return train(cfg, opts, log=log)
+    results = train(cfg, opts, log=log)
+    if not results.extra.pop("chief", True):
+        args.results = None   # on several workers only the chief writes the results
+    return results
 
 
 def main(argv=None):

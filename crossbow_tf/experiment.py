@@ -201,6 +201,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
           on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals,
           on_evaluation=tensorboard)
     results.extra["total_time"] = time.perf_counter() - start
+    if cluster is not None:   # per iteration: compute, waits in the all-reduce, bytes sent per worker
+        results.extra["cross_worker"] = cross_worker_figures(results, progress)
     if cfg.target_accuracy is not None:
         log(results.target_summary(cfg.target_accuracy))
     return results
@@ -285,6 +287,17 @@ def _checkpoints(cfg, engine, strategy):
     checkpoints.base_record = dict(config=to_dict(cfg), learners_per_device=strategy.learners_per_device,
                                    workers=strategy.num_workers)
     return checkpoints
+
+
+def cross_worker_figures(results, progress):
+    """The cross-worker measurements of the iterations this process trained (since PROGRESS, a resume point)."""
+    from crossbow_tf.distribute.cross_worker import measurements
+    if not results.evaluations:
+        return None
+    since = progress.iteration if progress is not None else 0
+    before = [e["wall_time"] for e in results.evaluations if e["iteration"] <= since]
+    last = results.evaluations[-1]
+    return measurements(last["iteration"] - since, last["wall_time"] - (before[-1] if before else 0.0))
 
 
 def _device_line(strategy):

@@ -35,6 +35,9 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # a checkout's crossbow_tf
+from crossbow_tf.distribute import traffic  # noqa: E402
+from crossbow_tf.distribute.traffic import ring_bytes  # noqa: E402
 
 SHAPES = {"lenet": ((28, 28, 1), 10), "resnet32": ((32, 32, 3), 10)}
 
@@ -158,11 +161,6 @@ def launch(args, model, workers, sync_period=1):
     return json.loads(line[len("RESULT "):])
 
 
-def ring_bytes(nbytes, workers):
-    """Bytes one worker sends (and receives) in a ring all-reduce of NBYTES over WORKERS."""
-    return 2 * (workers - 1) / workers * nbytes
-
-
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
@@ -190,11 +188,12 @@ def main(argv=None):
 
 
 def packed_bytes(model):
-    """Bytes of the vector one iteration all-reduces across workers for MODEL (float32 sums)."""
+    """Bytes of the vector one iteration all-reduces across workers for MODEL (float32 sums): its
+    weights, its float statistics (BatchNorm's) and the loss."""
     import numpy as np
     floats = [v for v in model.trainable_variables] + [
         v for v in model.non_trainable_variables if np.dtype(v.dtype).kind == "f"]
-    return 4 * (sum(int(np.prod(v.shape)) for v in floats) + 1)
+    return traffic.packed_bytes(floats, extra_floats=1)
 
 
 def project_resnet50(args, workers=8, gpus=8):

@@ -17,7 +17,7 @@ import os
 import sys
 
 from crossbow_tf import cli
-from crossbow_tf.compare.plan import count_compare_runs, describe, plan_compare, plan_sweep
+from crossbow_tf.compare.plan import count_compare_runs, describe, plan_compare, plan_sweep, trial_gpus
 from crossbow_tf.compare.plots import plot_curves, plot_sweep
 from crossbow_tf.compare.report import (check_report_dir, command_line, compare_markdown, copy_config, header_markdown,
                                         load_curves, markdown_table, software_line, sweep_markdown, sweep_series,
@@ -79,7 +79,7 @@ def build(args):
                                   "or pass --no-sweep")
             sweep_section = dict(sections["sweep"], **({"epochs": args.epochs} if args.epochs else {}))
             sweep_spec = parse_sweep(sweep_section, experiment)
-            sweep_plan = plan_sweep(sweep_spec, experiment, sections)
+            sweep_plan = plan_sweep(sweep_spec, experiment, sections, gpus=trial_gpus(args.parallel, args.gpus_per_trial))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return experiment, sections, spec, plan, sweep_spec, sweep_plan
@@ -143,7 +143,6 @@ def compare(argv=None):
         print(f"compare: the study is not complete (runs whose workers died too often); rerun with --resume",
               file=sys.stderr)
         return 1
-
     if args.worker and not trials_lib.claim_report(runner.study, out):
         runner.say(f"compare: the study is complete; another worker writes the report in {out}")
         return 0

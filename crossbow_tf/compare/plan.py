@@ -207,7 +207,7 @@ def plan_study(spec, experiment, sections, gpus=None):
             fixed, points = _trial_points(series, g, spec.budget_at(g), where)
             base, _ = run_config(experiment, sections, series.method, fixed, seed=0, target=spec.target,
                                  epochs=spec.epochs, where=where)
-            devices = trial_devices(base, gpus)
+            devices = trial_devices(base, gpus) * series.workers   # G spans every worker's devices
             if series.method in LEARNER_METHODS:
                 per = series.batch_size * devices
                 _need(g % per == 0, f"{where}: {g} is not a multiple of batch_size {series.batch_size} "

@@ -85,15 +85,34 @@ def compare_markdown(spec, rows, outcome):
                                (f"{s['tta']:.2f}" if s["reached"] else "not reached"),
                                "–" if s is None or not s["reached"] else s["epochs_to_target"],
                                "–" if s is None else f"{s['best_accuracy']:.4f}"])
+    across = cross_worker_markdown(rows)
     return "\n\n".join([
         f"Target: {spec.target:.0%} test accuracy, at most {spec.epochs} epochs per run. Each method: "
         f"at most {spec.budget} trial(s) from its grid on search seed(s) {spec.search_seeds}; the best trial "
         f"(lowest median time to target) then ran on seeds {spec.seeds}. Cells: median [min–max] over those "
         "seeds (n/r: some seed did not reach the target). TTA counts training time only (evaluation "
         "excluded; tracing included once, however often a run was resumed, and also shown as *trace*).",
-        table, ratio_text, "### Search trials",
+        table, ratio_text] + ([across] if across else []) + ["### Search trials",
         markdown_table(["method", "trial", "settings", "seed", "load at start", "TTA (s)", "epochs", "best accuracy"],
                        trials)])
+
+
+def cross_worker_markdown(rows):
+    """The table of the multi-worker entries' per-iteration figures (None when there is none)."""
+    across = [r for r in rows if r.get("cross_worker")]
+    if not across:
+        return None
+    table = markdown_table(
+        ["method", "workers", "ms/iteration", "compute ms/iteration", "waiting in all-reduce ms/iteration",
+         "MB sent per worker per iteration"],
+        [[r["name"], r["cross_worker"]["workers"], fmt_stat(r["cross_worker"]["step_ms_per_iteration"], 1),
+          fmt_stat(r["cross_worker"]["compute_ms_per_iteration"], 1),
+          fmt_stat(r["cross_worker"]["collective_ms_per_iteration"], 1),
+          fmt_stat(tuple(None if v is None else v / 1e6 for v in r["cross_worker"]["bytes_per_iteration"]), 3)]
+         for r in across])
+    return ("Across workers (per training iteration, median [min–max] over the final seeds; bytes: a ring "
+            "all-reduce's 2(n-1)/n x the payload per worker; the stock baseline's from its gradients, its "
+            "all-reduce not timed: –):\n\n" + table)
 
 
 def sweep_markdown(spec, result):

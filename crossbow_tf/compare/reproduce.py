@@ -27,7 +27,7 @@ import time
 
 from crossbow_tf.compare import study_report
 from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_devices
+from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_devices, trial_gpus
 from crossbow_tf.compare.report import check_report_dir, command_line, copy_config, relative_path, write_json
 from crossbow_tf.compare.runner import check_study, PACKAGE_ROOT, machine_info, open_study, run_study, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
@@ -63,7 +63,7 @@ def build(args):
         raise ConfigError(f"{args.config}: the sweep: section has no series: mapping (see crossbow_tf/compare/plan.py)")
     try:
         spec = parse_study(section, experiment)
-        cells = plan_study(spec, experiment, sections)
+        cells = plan_study(spec, experiment, sections, gpus=trial_gpus(args.parallel, args.gpus_per_trial))
     except ConfigError as e:
         raise ConfigError(f"{args.config}: {e}") from None
     if args.bench_rounds < 1 or args.bench_examples < 1 or args.bn_epochs < 1:

@@ -1,24 +1,24 @@
-"""Running: one training process per run (``python -m MODULE --config RUN.yaml --results
-RUN.json``), with progress, ETA and resume; the report directory; the three studies' run loops.
+"""Running: the training process(es) of one run (``python -m MODULE --config RUN.yaml --results
+RUN.json``, or N workers of a multi-worker run, crossbow_tf/compare/launch.py), with progress, ETA,
+timeouts, logs and resume; the report directory. The studies' loops over these runs are in
+crossbow_tf/compare/loops.py.
 
 Every run is its own process: TensorFlow fixes its logical device split once per process, and a
 fresh process keeps one run's tracing, caches and threads out of another's timing. By default runs
 go one at a time for the same reason; with --parallel N, N go side by side, each with its share of
-the machine (crossbow_tf/compare/trials.py). Every run of a study is a trial of one Optuna study
-(trials.py): the loops below plan the trials, let the workers run them, and read the outcome back
-from the storage and the run folders. Only results files are read (crossbow_tf/results.py);
+the machine (crossbow_tf/compare/trials.py). Only results files are read (crossbow_tf/results.py);
 nothing here imports TensorFlow.
 """
+import contextlib
 import dataclasses
 import datetime
+import glob
 import json
 import os
 import platform
-import queue
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -27,13 +27,12 @@ import yaml
 
 import crossbow_tf
 from crossbow_tf import cli
-from crossbow_tf.compare import trials as trials_lib
-from baselines import METHODS
+from crossbow_tf.compare import launch, netns, trials as trials_lib
+from baselines import METHODS, has_central_loop
 from baselines._cli import parse_tf_ssgd_options, split_sections
 from crossbow_tf import config as config_lib
-from crossbow_tf.compare.plan import describe
 from crossbow_tf.compare.report import fmt, relative_path
-from crossbow_tf.compare.stats import best_trial, run_summary, seed_statistics
+from crossbow_tf.compare.stats import run_summary
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.results import format_problems
 
@@ -52,6 +51,50 @@ class RunRecord:
     error: str = None
     duration: float = 0.0          # wall time of the whole process
     load_before: tuple = None      # 1/5/15-minute load averages when the run started
+    code: int = None               # the exit code of its (chief's) process; None: not run here
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run of a study: what it trains and where its files go (runs/SUBDIR/NAME.*)."""
+    method: str
+    experiment: dict               # the validated experiment mapping
+    options: dict                  # tf_ssgd's options (None for the other methods)
+    subdir: str
+    name: str
+    label: str
+    seed: int
+    workers: int = 1               # worker processes of a multi-worker run (the harness starts them)
+
+    @property
+    def key(self):
+        return f"{self.subdir}/{self.name}"
+
+    def paths(self, out_dir):
+        """{yaml, json, log, checkpoints: path} of its files in report directory OUT_DIR."""
+        base = os.path.join(out_dir, "runs", self.subdir, self.name)
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        return dict({ext: f"{base}.{ext}" for ext in ("yaml", "json", "log")}, checkpoints=f"{base}.checkpoints")
+
+
+def worker_log(log, index):
+    """The log of worker INDEX (> 0) of a multi-worker run whose chief's log is LOG."""
+    return f"{log[:-len('.log')]}.worker{index}.log"
+
+
+def worker_logs(log):
+    return sorted(glob.glob(glob.escape(log[:-len(".log")]) + ".worker*.log"))
+
+
+def study_progress(study):
+    """(trials done, trials running, trials planned) of a trials.Study, from its storage: every
+    process's, so that workers of one study count alike."""
+    from optuna.trial import TrialState
+    trials = study.trials()
+    pending = {t.user_attrs.get("run") for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)}
+    running = sum(1 for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("run") in study.by_key)
+    done = sum(1 for key in study.current(trials) if key not in pending)
+    return done, running, len(study.items)
 
 
 def _normal_form(text):
@@ -61,7 +104,7 @@ def _normal_form(text):
         mapping = yaml.safe_load(text) or {}
         experiment, sections = split_sections(mapping)
         algorithm = experiment.setdefault("algorithm", {})
-        if __import__("baselines").has_central_loop(algorithm.get("name", "sma")):   # a rule with allow_unstable
+        if has_central_loop(algorithm.get("name", "sma")):   # a rule with allow_unstable
             # Permission to run past the stability bound changes no trajectory: runs written before
             # the guard existed are the same runs.
             algorithm["allow_unstable"] = True
@@ -114,22 +157,6 @@ def run_text(experiment, options):
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def _die_with_parent():
-    """In the training process before it starts (Linux): killed when the runner's thread is, so a
-    worker killed mid-trial leaves no run behind writing into the files of its retry."""
-    try:
-        _LIBC.prctl(1, 9)   # PR_SET_PDEATHSIG, SIGKILL
-    except Exception:   # noqa: BLE001 - not Linux: the run outlives its runner, as before
-        pass
-
-
-try:
-    import ctypes
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _LIBC = None
-
-
 EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+test accuracy ([0-9.]+).*?time\s+([0-9.]+)s")
 
 
@@ -142,9 +169,37 @@ class Runner:
         self.out_dir, self.total, self.resume, self.out, self.python = out_dir, total_runs, resume, out, python
         self.trials = trials               # trials.Options of the study (None: in memory, one at a time)
         self.study = None                  # the trials.Study of the last loop
+        self.offset = 0                    # runs of earlier studies of this command (compare, then sweep)
+        # Named machines for multi-worker runs (CROSSBOW_HOSTS=a,b or CROSSBOW_HOSTFILE), started
+        # through CROSSBOW_LAUNCHER (default: srun on that node); else local workers on free ports.
+        self._lock = threading.RLock()
+        hostfile, self.hosts_error = os.environ.get("CROSSBOW_HOSTFILE"), None
+        try:
+            self.hosts = (launch.read_hostfile(hostfile) if hostfile else
+                          [h for h in os.environ.get("CROSSBOW_HOSTS", "").split(",") if h.strip()]) or None
+        except OSError as e:   # every multi-worker trial fails with this line
+            self.hosts, self.hosts_error = None, f"CROSSBOW_HOSTFILE {hostfile}: {e.strerror}"
+        self.launcher = os.environ.get("CROSSBOW_LAUNCHER", launch.DEFAULT_LAUNCHER)
+        self.network = self._network(os.environ.get("CROSSBOW_NETWORK"))
         self.done, self.started = 0, time.time()
         self.durations = []
-        self._lock = threading.RLock()
+
+    def _network(self, text):
+        """The bandwidth limit of local multi-worker runs (CROSSBOW_NETWORK=RATE[/DELAY], e.g.
+        100mbit: each worker in a network namespace of its own, crossbow_tf/compare/netns.py), or
+        None (loopback); a machine that refuses namespaces says so in one line and runs on loopback."""
+        if not text or self.hosts:
+            return None
+        try:
+            limit = netns.Limit.parse(text)
+        except ValueError as e:
+            self.say(f"note: CROSSBOW_NETWORK {e}; workers run on loopback")
+            return None
+        refused = netns.check_available()
+        if refused:
+            self.say(f"note: {refused}")
+            return None
+        return limit
 
     def say(self, line):
         with self._lock:
@@ -162,73 +217,125 @@ class Runner:
     def run(self, method, experiment, options, subdir, name, label, seed, target, timeout, slot=None):
         """Runs one training process (in SLOT, a trials.Slot: its share of the machine); returns its
         RunRecord (summary None when it failed)."""
-        base = os.path.join(self.out_dir, "runs", subdir, name)
-        os.makedirs(os.path.dirname(base), exist_ok=True)
-        paths = {ext: f"{base}.{ext}" for ext in ("yaml", "json", "log")}
-        text = run_text(experiment, options)
-        with self._lock:
-            self.done += 1
-            number = self.done
-        head = f"[{number:3d}/{self.total}] {subdir} {label} seed {seed}"
+        return self.run_job(Job(method, experiment, options, subdir, name, label, seed), target, timeout, slot)
+
+    def run_job(self, job, target, timeout, slot=None):
+        """Runs JOB (its one process, or its workers) unless its finished run can be reused; a trial
+        that lost a worker (exit code 4) runs again, up to trials.MAX_RETRY times. Returns its RunRecord."""
+        paths = job.paths(self.out_dir)
+        text = run_text(job.experiment, job.options)
+        head = self._head(job)
         unchanged = False
         if self.resume and os.path.exists(paths["yaml"]):
             with open(paths["yaml"]) as f:
                 unchanged = same_run(f.read(), text)
         if unchanged and os.path.exists(paths["json"]):
-            record = _as_planned(self._record(label, seed, paths["json"], target, 0.0, None), method, experiment, slot)
+            record = _as_planned(self._record(job.label, job.seed, paths["json"], target, 0.0, None), job, slot)
             if record.summary is not None:
                 self.say(f"{head}: done before, reusing {os.path.relpath(paths['json'], self.out_dir)}")
                 return record
+        extra = self._fresh_files(job, paths, text, unchanged)
+        self.say(f"{head} ... (elapsed {_clock(time.time() - self.started)}, ETA {self.eta()})")
+        retries = trials_lib.MAX_RETRY if job.workers > 1 else 0
+        for attempt in range(retries + 1):
+            if attempt:
+                self._keep_failed_logs(paths, attempt)
+                self.say(f"      lost a worker ({record.error}); the trial runs again "
+                         f"(retry {attempt} of {retries}){self._who(job)}")
+            record = self._attempt(job, paths, target, timeout, slot, extra)
+            if record.code != launch.LOST_WORKER:
+                break
+        self._tell(job, record, target)
+        return record
+
+    def _head(self, job):
+        """'[  n/total] subdir label seed s': n from the study's storage when there is one (trials
+        done or running, every process's), else this process's count."""
+        with self._lock:
+            self.done += 1
+            number = self.done
+        if self.study is not None:
+            done, running, _ = study_progress(self.study)
+            number = self.offset + done + max(running, 1)
+        return f"[{number:3d}/{self.total}] {job.subdir} {job.label} seed {job.seed}"
+
+    def _fresh_files(self, job, paths, text, unchanged):
+        """Clears JOB's old files (keeping the checkpoints of the same run) and writes its config and
+        TensorBoard hparams; returns the extra arguments of its process."""
         # An unfinished SMA run continues from its last checkpoint (kept only for the same run).
-        checkpoints = f"{base}.checkpoints"
         if not unchanged:
-            shutil.rmtree(checkpoints, ignore_errors=True)
-        resumable = ["--checkpoint-dir", checkpoints, "--resume"] if METHODS[method].module == "crossbow_tf.run" else []
+            shutil.rmtree(paths["checkpoints"], ignore_errors=True)
+        resumable = (["--checkpoint-dir", paths["checkpoints"], "--resume"]
+                     if METHODS[job.method].module == "crossbow_tf.run" else [])
         # Every run's TensorBoard events in a folder of its own, named as its files under runs/; a
         # run that continues from its checkpoint keeps the epochs it wrote before.
-        tensorboard = os.path.join(self.out_dir, "tensorboard", subdir, name)
-        if not (resumable and os.path.isdir(checkpoints)):
+        tensorboard = os.path.join(self.out_dir, "tensorboard", job.subdir, job.name)
+        if not (resumable and os.path.isdir(paths["checkpoints"])):
             shutil.rmtree(tensorboard, ignore_errors=True)
-            trial = name[:-len(f"_s{seed}")] if name.endswith(f"_s{seed}") else name
-            self._write_hparams(tensorboard, trial_hparams(method, experiment, options, subdir, trial, seed),
-                                f"{subdir}/{trial}")
-        for p in paths.values():
-            if os.path.exists(p):
-                os.remove(p)
+            trial = job.name[:-len(f"_s{job.seed}")] if job.name.endswith(f"_s{job.seed}") else job.name
+            self._write_hparams(tensorboard, trial_hparams(job.method, job.experiment, job.options, job.subdir,
+                                                           trial, job.seed), f"{job.subdir}/{trial}")
+        for key in ("yaml", "json", "log"):
+            if os.path.exists(paths[key]):
+                os.remove(paths[key])
+        for old in worker_logs(paths["log"]) + glob.glob(glob.escape(paths["log"][:-len(".log")]) + ".attempt*.log"):
+            os.remove(old)
         with open(paths["yaml"], "w") as f:
             f.write(text)
-        self.say(f"{head} ... (elapsed {_clock(time.time() - self.started)}, ETA {self.eta()})")
+        return ["--tensorboard", tensorboard] + resumable
+
+    def _keep_failed_logs(self, paths, attempt):
+        """The logs of a lost attempt stay beside the retry's, as <run>.attempt<N>[.worker<i>].log."""
+        base = paths["log"][:-len(".log")]
+        for log in [paths["log"]] + worker_logs(paths["log"]):
+            if os.path.exists(log):
+                os.replace(log, f"{base}.attempt{attempt}{log[len(base):]}")
+        if os.path.exists(paths["json"]):
+            os.remove(paths["json"])
+
+    def _attempt(self, job, paths, target, timeout, slot, extra):
+        """Runs JOB's process(es) once; its RunRecord (summary None unless it finished)."""
         load = os.getloadavg() if hasattr(os, "getloadavg") else None
         start = time.time()
-        code, error = self._spawn(METHODS[method].module, paths, timeout, load,
-                                  ["--tensorboard", tensorboard] + resumable, slot=slot)
+        code, error = self._spawn(job, paths, timeout, load, extra, slot)
         duration = time.time() - start
         with self._lock:
             self.durations.append(duration)
-        record = _as_planned(self._record(label, seed, paths["json"], target, duration, load), method, experiment, slot)
+        record = _as_planned(self._record(job.label, job.seed, paths["json"], target, duration, load), job, slot)
+        record.code = code
         # A run that diverged (exit code 3, its results say where) or collapsed (exit code 5, at chance
         # accuracy) is an outcome, not a failure.
-        finished = record.summary is not None and (code == 0 or (code == 3 and record.summary["diverged"])
-                                                   or (code == 5 and record.summary["collapsed"]))
+        s = record.summary
+        finished = s is not None and (code == 0 or (code == 3 and s["diverged"]) or (code == 5 and s["collapsed"]))
         if finished:
-            shutil.rmtree(checkpoints, ignore_errors=True)
-        if not finished:
+            shutil.rmtree(paths["checkpoints"], ignore_errors=True)
+        else:
             record.summary = None
             record.error = error or record.error or f"exit code {code}"
-            self.say(f"      FAILED after {duration:.0f}s: {record.error} "
-                     f"(log: {paths['log']}){self._who(subdir, name)}")
+        return record
+
+    def _tell(self, job, record, target):
+        """Prints RECORD's outcome (and the study's progress from its storage)."""
+        s = record.summary
+        if s is None:
+            self.say(f"      FAILED after {record.duration:.0f}s: {record.error} "
+                     f"(log: {record.path[:-5]}.log){self._who(job)}")
         else:
-            s = record.summary
             outcome = (f"{target:.2%} at epoch {s['epochs_to_target']}, {s['tta']:.2f}s of training"
                        if s["reached"] else f"target not reached in {s['epochs_run']} epochs")
             if s["diverged"]:
                 outcome = f"diverged in epoch {s['epochs_run'] + 1}: target not reached"
             self.say(f"      {outcome}; best {fmt(s['best_accuracy'], 4)}; {fmt(s['images_per_second'], 0)} images/s; "
-                     f"process {duration:.0f}s{self._who(subdir, name)}")
-        return record
+                     f"process {record.duration:.0f}s{self._who(job)}")
 
-    def _who(self, subdir, name):
-        return f" [{subdir}/{name}]" if self.side_by_side() > 1 else ""
+    def progress_line(self, finishing=1):
+        """'study: n of N trials done (r running)', from the storage (every process's trials), with
+        FINISHING trials of this process counted as done (their outcome is being told)."""
+        done, running, total = study_progress(self.study)
+        return f"      study: {done + finishing} of {total} trials done ({max(running - finishing, 0)} running)"
+
+    def _who(self, job):
+        return f" [{job.subdir}/{job.name}]" if self.side_by_side() > 1 else ""
 
     def _write_hparams(self, logdir, hparams, group):
         from crossbow_tf.tensorboard import write_hparams   # its package: checked by open_study
@@ -252,75 +359,75 @@ class Runner:
         record.summary = run_summary(data, target)
         return record
 
-    def _spawn(self, module, paths, timeout, load=None, extra_args=(), slot=None):
+    def _spawn(self, job, paths, timeout, load=None, extra_args=(), slot=None):
+        """Starts JOB's process (or its workers, each with its TF_CONFIG) and waits for them; returns
+        (exit code, error or None)."""
         # The run starts in this folder with it on its path, so that a user's model (model:
         # my_models:build or path/to/file.py:build) and data.path resolve as they do here.
         here = os.getcwd()
         env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
                    PYTHONPATH=os.pathsep.join([PACKAGE_ROOT, here] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                    **(slot.env if slot else {}))
-        cmd = [self.python, "-m", module, "--config", paths["yaml"], "--results", paths["json"], *extra_args]
-        lines = queue.Queue()
-        with open(paths["log"], "w") as log:
-            log.write("$ " + " ".join(relative_path(a) for a in cmd) + "\n")   # names no machine's folders
-            if load:
-                log.write(f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
-            log.flush()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                    bufsize=1, cwd=here, preexec_fn=_die_with_parent if _LIBC else None)
-            if slot is not None and slot.cpus and hasattr(os, "sched_setaffinity"):
-                try:   # its share of the cores (its threads, made after this, inherit it)
-                    os.sched_setaffinity(proc.pid, slot.cpus)
-                except OSError:
-                    pass
+        env.pop("TF_CONFIG", None)
+        cmd = [self.python, "-m", METHODS[job.method].module, "--config", paths["yaml"], "--results", paths["json"],
+               *extra_args]
+        shown = [relative_path(a) for a in cmd]   # names no machine's folders
+        tag = f" [{job.subdir}/{job.name}]" if self.side_by_side() > 1 else ""
 
-            def pump():
-                for line in proc.stdout:
-                    lines.put(line)
-                lines.put(None)
-            threading.Thread(target=pump, daemon=True).start()
-            deadline = time.time() + timeout
-            tail, error = [], None
-            while True:
-                try:
-                    line = lines.get(timeout=max(0.1, min(5.0, deadline - time.time())))
-                except queue.Empty:
-                    if time.time() > deadline:
-                        proc.kill()   # our own child, by its handle
-                        error = f"timed out after {timeout:.0f}s"
-                        break
-                    continue
-                if line is None:
-                    break
-                log.write(line)
-                log.flush()
-                tail = (tail + [line.rstrip()])[-5:]
-                m = EPOCH_LINE.match(line)
-                if m:
-                    tag = f" [{os.path.relpath(paths['json'], self.out_dir)[5:-5]}]" if self.side_by_side() > 1 else ""
-                    self.say(f"      epoch {m.group(1)}/{m.group(2)}  accuracy {float(m.group(3)):.4f}  "
-                             f"{float(m.group(4)):.2f}s{tag}")
-            code = proc.wait()
-        if code != 0 and error is None:
-            error = f"exit code {code}: " + next((t for t in reversed(tail) if t.strip()), "")
-        return code, error
+        def on_line(index, line):
+            m = EPOCH_LINE.match(line) if index == 0 else None
+            if m:
+                self.say(f"      epoch {m.group(1)}/{m.group(2)}  accuracy {float(m.group(3)):.4f}  "
+                         f"{float(m.group(4)):.2f}s{tag}")
+        logs = [paths["log"]] + [worker_log(paths["log"], i) for i in range(1, job.workers)]
+        if job.workers > 1 and self.hosts_error:
+            return 2, self.hosts_error
+        if self.hosts and len(self.hosts) < job.workers:
+            return 2, f"{job.workers} workers need {job.workers} hosts; CROSSBOW_HOSTS/CROSSBOW_HOSTFILE name {len(self.hosts)}"
+        with contextlib.ExitStack() as stack:
+            net = stack.enter_context(netns.Network(job.workers, self.network)) if (
+                self.network and job.workers > 1) else None
+            configs = (launch.tf_configs(job.workers, net.addresses if net else self.hosts) if job.workers > 1
+                       else [None])
+            processes = []
+            for i, (log_path, tf_config) in enumerate(zip(logs, configs, strict=True)):
+                log = stack.enter_context(open(log_path, "w"))
+                command, own_env = (cmd, {}) if tf_config is None else launch.worker_command(
+                    cmd, tf_config, self.hosts[i] if self.hosts else None, self.launcher)
+                if net is not None:
+                    command = net.prefix(i) + command
+                log.write("$ " + " ".join(command[:len(command) - len(cmd)] + shown) + "\n")
+                if load:
+                    log.write(f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
+                if tf_config is not None:
+                    where = f" in {net.name(i)} ({self.network.describe()})" if net else ""
+                    log.write(f"# worker {i} of {job.workers}{where}: TF_CONFIG={tf_config}\n")
+                processes.append(launch.start(i, command, dict(env, **own_env), here, log,
+                                              slot.cpus if slot is not None else None))
+            error = launch.supervise(processes, timeout, on_line)
+        return launch.outcome(processes, error)
 
-
-def _as_planned(record, method, experiment, slot):
+def _as_planned(record, job, slot):
     """RECORD, refused (summary None, one line) when its run trained with another k or global batch
-    than planned for the devices its SLOT gives it (say, every GPU where a logical CPU split was meant)."""
+    than planned for the devices its SLOT gives it (say, every GPU where a logical CPU split was meant)
+    on JOB's workers, or on another number of workers."""
     if record.summary is None:
         return record
     from crossbow_tf.compare.plan import planned_shape
-    k, global_batch = planned_shape(method, experiment, trials_lib.slot_gpus(slot))
+    k, global_batch = planned_shape(job.method, job.experiment, trials_lib.slot_gpus(slot))
     with open(record.path) as f:
         data = json.load(f)
     got = (data.get("num_learners"), data.get("global_batch"))
+    workers = data.get("workers", 1)
     # Results name their global batch since issue 30 (older ones, and stand-ins of tests, are not checked).
-    if k is not None and "global_batch" in data and got != (k, global_batch):
+    if k is not None and "global_batch" in data and (got != (k * job.workers, global_batch * job.workers)
+                                                     or workers != job.workers):
         record.summary = None
-        record.error = (f"trained with k={got[0]}, global batch {got[1]} on {len(data.get('devices') or [])} "
-                        f"device(s), planned k={k}, global batch {global_batch}: refused")
+        devices = f"{len(data.get('devices') or [])} device(s)"
+        shape = devices if workers == job.workers == 1 else f"{workers} worker(s) x {devices}"
+        planned = "" if job.workers == 1 else f" on {job.workers} worker(s)"
+        record.error = (f"trained with k={got[0]}, global batch {got[1]} on {shape}, planned k={k * job.workers}, "
+                        f"global batch {global_batch * job.workers}{planned}: refused")
     return record
 
 
@@ -384,203 +491,6 @@ def machine_info():
                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
 
 
-# ---------------------------------------------------------------------------------------------
-# The studies' run loops.
-
-
-def _item(key, group, seed, configs=None):
-    """A search run's trials.Item (its config hashed into the plan's fingerprint)."""
-    digest = trials_lib.config_hash(run_text(*configs)) if configs else None
-    return trials_lib.Item(key, group, seed, config_hash=digest)
-
-
-def execute(runner, items, resolve, target, timeout):
-    """Runs ITEMS (trials.Item) as the trials of the runner's study until none is left, in the
-    runner's slots; RESOLVE(item) gives (method, experiment, options, subdir, name, label, seed) of
-    an item's run (for a replication, once its group's search has finished). Returns {run key:
-    user attributes of the trial that counts for it} ("resolved": a replication's run key)."""
-    opts = runner.trials or trials_lib.Options()
-    if opts.storage is None and runner.trials is None:
-        import optuna
-        storage = optuna.storages.InMemoryStorage()   # a library call without a study of its own
-    else:
-        storage = trials_lib.open_storage(opts.storage or trials_lib.default_storage(runner.out_dir), opts.heartbeat)
-    study = trials_lib.Study(storage, opts.name or "crossbow", items, replan=opts.replan, worker=opts.worker,
-                             say=runner.say, heartbeat=opts.heartbeat)
-    runner.study = study
-
-    def run_item(item, slot):
-        method, exp, options, subdir, name, label, seed = resolve(item)
-        record = runner.run(method, exp, options, subdir, name, label, seed, target, timeout, slot=slot)
-        s = record.summary
-        attrs = dict(status="finished" if s is not None else "failed", resolved=f"{subdir}/{name}",
-                     duration=round(record.duration, 3), error=record.error,
-                     load=list(record.load_before) if record.load_before else None,
-                     epochs_to_target=s["epochs_to_target"] if s else None, tta=s["tta"] if s else None)
-        best = s["best_accuracy"] if s else None
-        return (best if isinstance(best, (int, float)) and best == best else 0.0), attrs
-    study.work(run_item, trials_lib.make_slots(opts.parallel, opts.gpus_per_trial))
-    return current_attrs(runner)
-
-
-def current_attrs(runner):
-    """{run key: user attributes of the trial that counts for it}, by plan key and by run key."""
-    attrs = {}
-    for key, trial in runner.study.current().items():
-        attrs[key] = attrs[trial.user_attrs.get("resolved", key)] = dict(trial.user_attrs)
-    return attrs
-
-
-def _load(runner, attrs, subdir, name, label, seed, target):
-    """The RunRecord of runs/SUBDIR/NAME from its results file and its trial's attributes."""
-    a = attrs.get(f"{subdir}/{name}", {})
-    load = tuple(a["load"]) if a.get("load") else None
-    record = runner._record(label, seed, os.path.join(runner.out_dir, "runs", subdir, f"{name}.json"), target,
-                            a.get("duration") or 0.0, load)
-    if a.get("status") == "failed" and record.summary is not None:
-        record.summary, record.error = None, a.get("error") or "failed"
-    elif a.get("status") == "failed":
-        record.error = a.get("error") or record.error
-    return record
-
-
-def run_compare(spec, plan, runner):
-    """Search (every trial on the search seeds), then the best trial on every seed; returns the outcome."""
-    entries, jobs, items = {}, {}, []
-    for entry, trials in plan:
-        entries[entry.name] = (entry, trials)
-        for label, point, configs in trials:
-            for seed in spec.search_seeds:
-                key = f"{entry.name}/{label}_s{seed}"
-                jobs[key] = (entry.method, *configs[seed], entry.name, f"{label}_s{seed}",
-                             f"{label} {describe(point)}", seed)
-                items.append(_item(key, entry.name, seed, configs[seed]))
-        for seed in spec.seeds:
-            if seed not in spec.search_seeds:
-                items.append(trials_lib.Item(f"{entry.name}/best_s{seed}", entry.name, seed, replicate=True))
-
-    def best_of(name, attrs):
-        _, trials = entries[name]
-        search = [[_load(runner, attrs, name, f"{label}_s{s}", label, s, spec.target).summary
-                   for s in spec.search_seeds] for label, _, _ in trials]
-        return trials[best_trial(search)]
-
-    def resolve(item):
-        if not item.replicate:
-            return jobs[item.key]
-        entry, _ = entries[item.group]
-        label, point, configs = best_of(item.group, current_attrs(runner))
-        return (entry.method, *configs[item.seed], entry.name, f"{label}_s{item.seed}",
-                f"{label} {describe(point)} (best)", item.seed)
-    attrs = execute(runner, items, resolve, spec.target, spec.timeout)
-    outcome = {}
-    for entry, trials in plan:
-        runs = {(label, s): _load(runner, attrs, entry.name, f"{label}_s{s}", f"{label} {describe(point)}", s,
-                                  spec.target)
-                for label, point, _ in trials for s in spec.search_seeds}
-        label, point, _ = best_of(entry.name, attrs)
-        for seed in spec.seeds:
-            if (label, seed) not in runs:
-                runs[(label, seed)] = _load(runner, attrs, entry.name, f"{label}_s{seed}",
-                                            f"{label} {describe(point)} (best)", seed, spec.target)
-        outcome[entry.name] = dict(entry=entry, trials=trials, runs=runs, best=label, best_point=point,
-                                   final=[runs[(label, s)] for s in spec.seeds])
-    return outcome
-
-
-def run_sweep(spec, plan, runner):
-    """Runs every sweep point; returns {series: [(global batch, epochs to target or None, best point, records)]}."""
-    jobs, items = {}, []
-    for series, g, label, point, configs in plan:
-        method = spec.ssgd_method if series == "ssgd" else "sma"
-        for s in spec.seeds:
-            key = f"sweep_{series}/{label}_s{s}"
-            jobs[key] = (method, *configs[s], f"sweep_{series}", f"{label}_s{s}", f"{label} {describe(point)}", s)
-            items.append(_item(key, key, s, configs[s]))
-    attrs = execute(runner, items, lambda item: jobs[item.key], spec.target, spec.timeout)
-    by = {}
-    for series, g, label, point, configs in plan:
-        records = [_load(runner, attrs, f"sweep_{series}", f"{label}_s{s}", f"{label} {describe(point)}", s,
-                         spec.target) for s in spec.seeds]
-        by.setdefault((series, g), []).append((point, records))
-    out = {"ssgd": [], "sma": []}
-    for (series, g), trials in by.items():
-        best = best_trial([[r.summary for r in records] for _, records in trials], by="epochs")
-        point, records = trials[best]
-        epochs = seed_statistics([r.summary["epochs_to_target"] for r in records if r.summary is not None])[0]
-        out[series].append((g, epochs, point, records))
-    return out
-
-
-def study_items(spec, cells):
-    """(items, jobs, cells by group) of the reproduction study: its trials in the order one process
-    runs them (point by point: every cell's search, then every cell's replications), each search
-    run's job (method, experiment, options, subdir, name, label, seed), and {group: cell}."""
-    by_group, jobs, items = {}, {}, []
-
-    def seeds_of(cell):
-        return sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
-
-    points = list(dict.fromkeys(cell.global_batch for cell in cells))
-    for global_batch in points:
-        at_point = [cell for cell in cells if cell.global_batch == global_batch]
-        for cell in at_point:
-            group = f"{cell.series.name}/G{cell.global_batch}"
-            by_group[group] = cell
-            for label, point, configs in cell.trials:
-                for seed in seeds_of(cell):
-                    key = f"{group}/{label}_s{seed}"
-                    jobs[key] = (cell.series.method, *configs[seed], group, f"{label}_s{seed}",
-                                 f"{label} {describe(point)}", seed)
-                    items.append(_item(key, group, seed, configs[seed]))
-        for cell in at_point:
-            group = f"{cell.series.name}/G{cell.global_batch}"
-            for seed in spec.seeds:
-                if seed not in seeds_of(cell):
-                    items.append(trials_lib.Item(f"{group}/best_s{seed}", group, seed, replicate=True))
-    return items, jobs, by_group
-
-
-def run_study(spec, cells, runner):
-    """Point by point, in the order of the global batches given: every cell's search trials at that
-    point on the search seeds, then each cell's best trial on every seed (the order of the trials in
-    the study; one process runs them in this order, so a study stopped part-way has whole points,
-    searched and replicated, before the one it stopped in; side by side, a replication starts once
-    its cell's search has finished).
-
-    Returns {(series name, G): outcome dict}. Trials are ranked by fewest median epochs to target,
-    then time (best_trial(by="epochs")): the study's question is statistical efficiency.
-    """
-    items, jobs, by_group = study_items(spec, cells)
-
-    def seeds_of(cell):
-        return sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
-
-    def best_of(cell, attrs):
-        group = f"{cell.series.name}/G{cell.global_batch}"
-        if cell.series.untuned:
-            return cell.trials[0]
-        search = [[_load(runner, attrs, group, f"{label}_s{s}", label, s, spec.target).summary
-                   for s in spec.search_seeds] for label, _, _ in cell.trials]
-        return cell.trials[best_trial(search, by="epochs")]
-
-    def resolve(item):
-        if not item.replicate:
-            return jobs[item.key]
-        cell = by_group[item.group]
-        label, point, configs = best_of(cell, current_attrs(runner))
-        return (cell.series.method, *configs[item.seed], item.group, f"{label}_s{item.seed}",
-                f"{label} {describe(point)} (best)", item.seed)
-    attrs = execute(runner, items, resolve, spec.target, spec.timeout)
-    outcome = {}
-    for group, cell in by_group.items():
-        runs = {(label, s): _load(runner, attrs, group, f"{label}_s{s}", f"{label} {describe(point)}", s, spec.target)
-                for label, point, _ in cell.trials for s in seeds_of(cell)}
-        label, point, _ = best_of(cell, attrs)
-        for seed in spec.seeds:
-            if (label, seed) not in runs:
-                runs[(label, seed)] = _load(runner, attrs, group, f"{label}_s{seed}",
-                                            f"{label} {describe(point)} (best)", seed, spec.target)
-        outcome[(cell.series.name, cell.global_batch)] = dict(cell=cell, runs=runs, best=label, best_point=point,
-                                                             final=[runs[(label, s)] for s in spec.seeds])
-    return outcome
+# The studies' loops live in crossbow_tf/compare/loops.py (they import this module); the commands
+# and the package's API take them from here, as before.
+from crossbow_tf.compare.loops import run_compare, run_study, run_sweep, study_items  # noqa: E402,F401

@@ -10,6 +10,7 @@ import os
 from baselines import METHODS
 from baselines._cli import parse_tf_ssgd_options, read_yaml, split_sections
 from crossbow_tf import config as config_lib
+from crossbow_tf.compare.launch import MULTI_WORKER_METHODS
 from crossbow_tf.errors import ConfigError
 from crossbow_tf.user_model import locate_model
 
@@ -23,6 +24,7 @@ class Entry:
     method: str
     fixed: dict
     grid: dict
+    workers: int = 1          # worker processes per run (a multi-worker run the harness launches)
 
 
 @dataclasses.dataclass
@@ -67,6 +69,7 @@ class SweepSpec:
     target: float
     epochs: int
     timeout: float
+    workers: dict = dataclasses.field(default_factory=dict)   # {"ssgd"/"sma": worker processes per run}
 
 
 def _need(ok, message):
@@ -90,6 +93,14 @@ def _positive(value, where, kind=float):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     _need(ok and (kind is float or isinstance(value, int)), f"{where}: expected a positive {kind.__name__}, got {value!r}")
     return value
+
+
+def _workers(body, method, where):
+    """The worker processes of each run of METHOD (``workers:``, default 1)."""
+    workers = _positive(body.get("workers", 1), f"{where}.workers", int)
+    _need(workers == 1 or method in MULTI_WORKER_METHODS,
+          f"{where}.workers: {method} runs on one worker; several workers run {', '.join(MULTI_WORKER_METHODS)}")
+    return workers
 
 
 def _grid(value, where):
@@ -122,11 +133,12 @@ def parse_compare(section, experiment, where="compare"):
     for name, body in methods.items():
         w = f"{where}.methods.{name}"
         body = _mapping(body, w)
-        _known(body, ("method", "fixed", "grid"), w)
+        _known(body, ("method", "fixed", "grid", "workers"), w)
         method = body.get("method", name)
         _need(method in METHODS, f"{w}.method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
         entries.append(Entry(str(name), method, _mapping(body.get("fixed"), f"{w}.fixed"),
-                             _grid(body.get("grid"), f"{w}.grid")))
+                             _grid(body.get("grid"), f"{w}.grid"),
+                             _workers(body, method, w)))
     _need(any(e.method == "sma" for e in entries) and any(e.method != "sma" for e in entries),
           f"{where}.methods: list sma and at least one baseline ({', '.join(m for m in METHODS if m != 'sma')})")
     return CompareSpec(entries=entries, **_protocol(section, experiment, where, budget=4, timeout=900))
@@ -136,8 +148,8 @@ def parse_sweep(section, experiment, where="sweep"):
     _known(section, ("ssgd", "sma", "seeds", "target", "epochs", "timeout"), where)
     ssgd = _mapping(section.get("ssgd"), f"{where}.ssgd")
     sma = _mapping(section.get("sma"), f"{where}.sma")
-    _known(ssgd, ("method", "global_batches", "fixed", "grid"), f"{where}.ssgd")
-    _known(sma, ("batch_size", "learners", "fixed", "grid"), f"{where}.sma")
+    _known(ssgd, ("method", "global_batches", "fixed", "grid", "workers"), f"{where}.ssgd")
+    _known(sma, ("batch_size", "learners", "fixed", "grid", "workers"), f"{where}.sma")
     method = ssgd.get("method", "tf_ssgd")
     _need(method in ("tf_ssgd", "crossbow_ssgd"), f"{where}.ssgd.method: choose tf_ssgd or crossbow_ssgd, got {method!r}")
     epochs = _positive(section.get("epochs", experiment.get("epochs", 10)), f"{where}.epochs", int)
@@ -152,7 +164,9 @@ def parse_sweep(section, experiment, where="sweep"):
         sma_grid=_grid(sma.get("grid"), f"{where}.sma.grid"),
         seeds=_int_list(section.get("seeds", [0]), f"{where}.seeds"),
         target=_target(section, experiment, where), epochs=epochs,
-        timeout=_positive(section.get("timeout", 900), f"{where}.timeout"))
+        timeout=_positive(section.get("timeout", 900), f"{where}.timeout"),
+        workers={name: _workers(part, m, f"{where}.{name}") for name, part, m in (("ssgd", ssgd, method),
+                                                                                   ("sma", sma, "sma"))})
 
 
 def load_harness_config(path, data_dir=None):
@@ -241,6 +255,7 @@ class Series:
     # Not one of the paper's methods (an averaging method beyond Crossbow's SMA): judged in the
     # report's own verdict row, kept out of the rows about the paper's claims.
     beyond_crossbow: bool = False
+    workers: int = 1           # worker processes per run (a multi-worker run the harness launches)
 
 
 @dataclasses.dataclass
@@ -266,7 +281,7 @@ def is_study(section):
 def _series(name, body, where, points):
     body = _mapping(body, where)
     _known(body, ("method", "batch_size", "fixed", "grid", "points", "untuned", "global_batches",
-                  "beyond_crossbow"), where)
+                  "beyond_crossbow", "workers"), where)
     method = body.get("method", name)
     _need(method in METHODS, f"{where}.method: unknown method {method!r}; choose one of {', '.join(METHODS)}")
     untuned = body.get("untuned", False)
@@ -299,7 +314,7 @@ def _series(name, body, where, points):
         _need(not grid and not any(p["grid"] for p in per_point.values()),
               f"{where}: an untuned series runs one setting (fixed only), not a grid")
     return Series(str(name), method, batch, _mapping(body.get("fixed"), f"{where}.fixed"), grid,
-                  per_point, untuned, own, beyond)
+                  per_point, untuned, own, beyond, _workers(body, method, where))
 
 
 def parse_study(section, experiment, where="sweep"):

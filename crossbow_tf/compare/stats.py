@@ -30,6 +30,7 @@ def run_summary(results, target):
         epoch_start_wait=sum(w for w in waits if w) if any(w is not None for w in waits) else None,
         collapsed=bool(results.get("collapsed")),
         diverged=bool(results.get("diverged")),   # a NaN or infinity stopped it (exit code 3)
+        cross_worker=results.get("cross_worker"),   # a multi-worker run's per-iteration figures
     )
 
 
@@ -84,8 +85,26 @@ def compare_rows(spec, outcome):
             trace_time=seed_statistics([s["trace_time"] for s in ok]),
             epoch_start_wait=seed_statistics([s["epoch_start_wait"] for s in ok])
             if any(s["epoch_start_wait"] is not None for s in ok) else (None, None, None),
-            global_batch=ok[0]["global_batch"] if ok else None))
+            global_batch=ok[0]["global_batch"] if ok else None,
+            cross_worker=cross_worker_statistics([s.get("cross_worker") for s in ok])))
     return rows
+
+
+CROSS_WORKER_FIGURES = ("step_ms_per_iteration", "compute_ms_per_iteration", "collective_ms_per_iteration",
+                        "bytes_per_iteration")
+
+
+def cross_worker_statistics(figures):
+    """{workers, and per figure of CROSS_WORKER_FIGURES its seed_statistics} over the seeds' runs'
+    ``cross_worker`` records (None when no run has one: a single-worker entry)."""
+    figures = [f for f in figures if f]
+    if not figures:
+        return None
+    out = dict(workers=figures[0]["workers"])
+    for key in CROSS_WORKER_FIGURES:
+        values = [f.get(key) for f in figures]
+        out[key] = seed_statistics(values) if all(v is not None for v in values) else (None, None, None)
+    return out
 
 
 def tta_ratio(rows):

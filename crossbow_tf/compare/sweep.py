@@ -15,7 +15,7 @@ import os
 import sys
 
 from crossbow_tf import cli
-from crossbow_tf.compare.plan import describe, plan_sweep
+from crossbow_tf.compare.plan import describe, plan_sweep, trial_gpus
 from crossbow_tf.compare.plots import plot_sweep
 from crossbow_tf.compare.report import (check_report_dir, command_line, copy_config, header_markdown, markdown_table,
                                         software_line, sweep_markdown, sweep_series, write_json)
@@ -74,7 +74,7 @@ def build(args):
             overridden = True
     try:
         spec = parse_sweep(section, experiment)
-        return experiment, spec, plan_sweep(spec, experiment, sections)
+        return experiment, spec, plan_sweep(spec, experiment, sections, gpus=trial_gpus(args.parallel, args.gpus_per_trial))
     except ConfigError as e:
         raise ConfigError(f"{args.config}{' (with command-line overrides)' if overridden else ''}: {e}") from None
 

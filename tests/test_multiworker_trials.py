@@ -1,0 +1,286 @@
+"""Multi-worker trials launched by the harness (``workers: 2`` in a method's settings), on 127.0.0.1:
+the harness's run equals the same run launched by hand, the stock baseline runs under
+MultiWorkerMirroredStrategy, and a worker killed mid-trial is a lost worker whose trial runs again."""
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+from crossbow_tf.compare import cli as compare, launch
+from crossbow_tf.compare.runner import Job, Runner, prepare_out_dir
+from crossbow_tf.distribute.cluster import local_tf_configs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_experiment(data_dir, **overrides):
+    """LeNet on 640 digits (160 to test), one CPU device per worker, 20 iterations per epoch."""
+    return dict(dict(name="tiny-workers", model="lenet", data={"name": "mnist", "data_dir": data_dir},
+                     devices={"logical_cpu": 1}, learners_per_device=2, batch_size=8,
+                     learning_rate={"base": 0.05}, epochs=1, seed=1), **overrides)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """640 real digits to train on and 160 to test, of every class (the embedded set is sorted by label)."""
+    import numpy as np
+    from crossbow_tf.data.mnist import load_idx_pair
+    from test_data_formats import write_mnist
+    embedded = os.path.join(REPO, "crossbow_tf", "data", "embedded")
+    images, labels = load_idx_pair(os.path.join(embedded, "mnist5k-images-idx3-ubyte.gz"),
+                                   os.path.join(embedded, "mnist5k-labels-idx1-ubyte.gz"))
+    order = np.random.default_rng(0).permutation(len(labels))[:800]
+    directory = str(tmp_path_factory.mktemp("mnist"))
+    write_mnist(directory, (images[order[:640]], labels[order[:640]]), (images[order[640:]], labels[order[640:]]))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, data_dir):
+    """A compare of SMA against tf_ssgd, each run on 2 workers the harness starts."""
+    tmp = tmp_path_factory.mktemp("compare")
+    settings = tiny_experiment(data_dir)
+    settings["compare"] = {"budget": 1, "search_seeds": [0], "seeds": [0], "epochs": 1, "target": 0.5,
+                           "timeout": 600,
+                           "methods": {"sma": {"workers": 2},
+                                       "tf_ssgd": {"workers": 2, "fixed": {"batch_size": 16}}}}
+    config = tmp / "tiny.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    out = tmp / "report"
+    proc = subprocess.run([sys.executable, "-m", "crossbow_tf.compare", "--config", str(config), "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp,
+                          env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp, out, proc.stdout
+
+
+def results(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def curve(data):
+    return [(e["epoch"], e["iteration"], e["examples"], e["accuracy"], e["loss"], e["train_loss"])
+            for e in data["evaluations"]]
+
+
+def test_a_two_worker_trial_of_the_harness_equals_the_same_run_launched_by_hand(compared):
+    tmp, out, stdout = compared
+    run = out / "runs" / "sma" / "t00_s0"
+    harness = results(f"{run}.json")
+    assert harness["workers"] == 2 and harness["num_learners"] == 4 and harness["global_batch"] == 32
+    # Every worker's log is kept: worker 1 logs with its prefix, the chief's log is the run's.
+    assert "[worker 1] epoch   1/1" in (out / "runs" / "sma" / "t00_s0.worker1.log").read_text()
+    assert "2 workers x 1 device(s) x 2" in (out / "runs" / "sma" / "t00_s0.log").read_text()
+    assert "epoch 1/1  accuracy" in stdout and "study: 2 of 2 trials done" in stdout, stdout
+    # Measured per iteration: one all-reduce of the weights and the loss per iteration, a ring's
+    # 2(n-1)/n x its bytes sent per worker, the time in it and the rest.
+    across = harness["cross_worker"]
+    assert across["workers"] == 2 and across["iterations"] == across["all_reduces"] == 20
+    assert across["payload_bytes"] > 4 * 1_000_000   # LeNet's weights, float32
+    assert across["bytes_per_iteration"] == pytest.approx(across["payload_bytes"])   # 2(2-1)/2 = 1
+    assert 0 < across["collective_ms_per_iteration"] < across["step_ms_per_iteration"]
+    assert across["compute_ms_per_iteration"] == pytest.approx(
+        across["step_ms_per_iteration"] - across["collective_ms_per_iteration"])
+    assert "waiting in all-reduce ms/iteration" in (out / "report.md").read_text()
+    # The same config, launched as docs/multiworker.md launches it: each worker with its TF_CONFIG.
+    procs = [subprocess.Popen([sys.executable, "-m", "crossbow_tf.run", "--config", f"{run}.yaml",
+                               "--results", str(tmp / f"by_hand{i}.json")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
+                              env=dict(os.environ, PYTHONPATH=REPO, TF_CONFIG=config, TF_CPP_MIN_LOG_LEVEL="2"),
+                              start_new_session=True)
+             for i, config in enumerate(local_tf_configs(2))]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
+    assert not (tmp / "by_hand1.json").exists()   # only the chief writes
+    by_hand = results(tmp / "by_hand0.json")
+    ours, theirs = curve(harness), curve(by_hand)
+    assert len(ours) == len(theirs) == 1
+    for a, b in zip(ours, theirs, strict=True):
+        assert a[:3] == b[:3]
+        assert a[3:] == pytest.approx(b[3:], abs=1e-6)
+    # The compared losses moved far beyond the tolerance (1e-6) from an untrained model's, ln 10.
+    assert abs(ours[0][5] - math.log(10)) > 0.01 and abs(ours[0][4] - math.log(10)) > 0.01
+
+
+def test_the_stock_baseline_runs_under_multi_worker_mirrored_strategy_on_the_same_workers(compared):
+    _, out, _ = compared
+    stock = results(out / "runs" / "tf_ssgd" / "t00_s0.json")
+    assert stock["workers"] == 2 and stock["num_learners"] == 2 and stock["global_batch"] == 32
+    assert stock["strategy"] == "CollectiveAllReduceStrategy"   # tf.distribute.MultiWorkerMirroredStrategy's class
+    across = stock["cross_worker"]   # its gradients' bytes; its collectives are TensorFlow's, not timed
+    assert across["bytes_per_iteration"] == across["payload_bytes"] > 4 * 1_000_000
+    assert across["collective_ms_per_iteration"] is None and across["step_ms_per_iteration"] > 0
+    assert not any(m.startswith("crossbow_tf.engine") for m in stock["crossbow_modules"])
+    [evaluation] = stock["evaluations"]
+    assert evaluation["iteration"] == 20 and abs(evaluation["train_loss"] - math.log(10)) > 0.01
+    worker = (out / "runs" / "tf_ssgd" / "t00_s0.worker1.log").read_text()
+    assert "MultiWorkerMirroredStrategy over 2 workers" in worker and "epoch   1/1" in worker
+    assert (out / "report.md").exists()
+
+
+def test_a_worker_killed_mid_trial_is_a_lost_worker_and_the_trial_runs_again(tmp_path, data_dir, monkeypatch):
+    out = tmp_path / "report"
+    prepare_out_dir(str(out))
+    lines = []
+    runner = Runner(str(out), 1, out=open(os.devnull, "w"))
+    runner.say = lines.append
+    started = []
+    real_start = launch.start
+    monkeypatch.setattr(launch, "start", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
+    log1 = out / "runs" / "sma" / "t00_s0.worker1.log"
+
+    def kill_worker_1_after_its_first_epoch():
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            if log1.exists() and "[worker 1] epoch   1/3" in log1.read_text() and len(started) >= 2:
+                os.killpg(started[1].popen.pid, signal.SIGKILL)
+                return
+            time.sleep(0.2)
+    killer = threading.Thread(target=kill_worker_1_after_its_first_epoch, daemon=True)
+    killer.start()
+    from crossbow_tf.compare.spec import run_config
+    experiment, _ = run_config(tiny_experiment(data_dir), {}, "sma", {}, seed=0, target=0.99, epochs=3, where="test")
+    experiment["stop_at_target"] = False   # all three epochs, whatever the accuracy
+    record = runner.run_job(Job("sma", experiment, None, "sma", "t00_s0", "t00", 0, workers=2), 0.99, 600)
+    killer.join(1)
+    # The first attempt lost worker 1: the chief stopped with exit code 4, naming it.
+    assert len(started) == 4, lines
+    first_chief = (out / "runs" / "sma" / "t00_s0.attempt1.log").read_text()
+    assert "lost worker 1" in first_chief
+    assert (out / "runs" / "sma" / "t00_s0.attempt1.worker1.log").exists()
+    assert any("lost a worker" in line and "the trial runs again (retry 1 of 3)" in line for line in lines), lines
+    # The retry finished the trial (from the chief's checkpoint), on 2 workers.
+    assert record.summary is not None and record.code == 0, (record.error, lines)
+    final = results(record.path)
+    assert final["workers"] == 2 and [e["epoch"] for e in final["evaluations"]] == [1, 2, 3]
+    assert final.get("resumed_at_iterations"), "the retry continued from the first attempt's checkpoint"
+
+
+def test_a_two_worker_trial_behind_a_bandwidth_limit_in_namespaces_the_harness_makes_and_removes(
+        tmp_path, data_dir, monkeypatch):
+    from crossbow_tf.compare import netns
+    from crossbow_tf.compare.spec import run_config
+    monkeypatch.setenv("CROSSBOW_NETWORK", "100mbit")
+    out = tmp_path / "report"
+    prepare_out_dir(str(out))
+    lines = []
+    runner = Runner(str(out), 1, out=open(os.devnull, "w"))
+    runner.say = lines.append
+    assert runner.network == netns.Limit("100mbit", "0ms"), lines   # this machine allows namespaces
+    shaped = []
+    real_start = launch.start
+
+    def start(index, command, *args, **kwargs):   # what the worker's link looks like while it runs
+        shaped.append(subprocess.run(command[:4] + ["tc", "qdisc", "show"], capture_output=True, text=True).stdout)
+        return real_start(index, command, *args, **kwargs)
+    monkeypatch.setattr(launch, "start", start)
+    experiment, _ = run_config(tiny_experiment(data_dir), {}, "sma", {}, seed=0, target=0.99, epochs=1, where="test")
+    record = runner.run_job(Job("sma", experiment, None, "sma", "t00_s0", "t00", 0, workers=2), 0.99, 600)
+    assert record.summary is not None, (record.error, lines)
+    assert len(shaped) == 2 and all("tbf" in s and "rate 100Mbit" in s for s in shaped), shaped
+    chief_log = (out / "runs" / "sma" / "t00_s0.log").read_text()
+    assert f"# worker 0 of 2 in cbn{os.getpid()}x" in chief_log and "10.213." in chief_log
+    assert results(record.path)["cross_worker"]["all_reduces"] == 20
+    assert not [n for n in netns.namespaces() if n.startswith(f"cbn{os.getpid()}x")]   # removed
+
+
+def test_namespaces_of_a_killed_harness_are_removed_by_the_next(tmp_path):
+    from crossbow_tf.compare import netns
+    code = ("import time; from crossbow_tf.compare.netns import Network, Limit\n"
+            "with Network(2, Limit('1gbit')) as n:\n    print(n.tag, flush=True); time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO))
+    tag = proc.stdout.readline().strip()
+    made = [n for n in netns.namespaces() if n.startswith(tag + "-")]
+    proc.kill()
+    proc.wait(10)
+    assert len(made) == 3 and tag.startswith("cbn"), made   # two workers and the bridge's
+    assert [n for n in netns.namespaces() if n.startswith(tag + "-")] == made   # a kill leaves them
+    netns.remove_stale()
+    assert not [n for n in netns.namespaces() if n.startswith(tag + "-")]
+
+
+def test_two_worker_processes_show_the_studys_progress_and_one_prints_the_final_table(tmp_path):
+    """Issue 27: each --worker process numbers trials and counts them from the storage (every
+    process's), and only the one that finished the study's last trial writes and prints the report."""
+    from test_distributed_study import RUNS, STAND_IN, STUDY, command
+    import numpy as np
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "generated.npz", x_train=rng.random((64, 28, 28, 1), dtype=np.float32),
+             y_train=rng.integers(0, 10, 64), x_test=rng.random((64, 28, 28, 1), dtype=np.float32),
+             y_test=rng.integers(0, 10, 64))
+    config = tmp_path / "study.yaml"
+    config.write_text(yaml.safe_dump(dict(STUDY, data={"name": "npz", "path": str(tmp_path / "generated.npz")})))
+    env = dict(os.environ, CROSSBOW_RUN_PYTHON=str(stand_in), STAND_IN_CALLS=str(tmp_path / "calls"),
+               STAND_IN_ROOT=str(tmp_path), STAND_IN_SLEEP="0.5", TF_CPP_MIN_LOG_LEVEL="2")
+    out = tmp_path / "workers"
+    joining = command(str(config), out, "--storage", f"sqlite:///{tmp_path / 'shared.db'}", "--worker",
+                      "--heartbeat", "2")
+    workers = [subprocess.Popen(joining, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+               for _ in range(2)]
+    logs = [w.communicate(timeout=180)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(logs)[-3000:]
+    done = [[int(n) for n in re.findall(rf"study: (\d+) of {RUNS} trials done", log)] for log in logs]
+    assert all(done), logs   # both ran trials and said how far the study was
+    # The counts are the storage's, not each process's own: they count the other's trials too.
+    assert len(done[0]) + len(done[1]) == RUNS and all(d == sorted(d) for d in done), done
+    assert max(max(d) - len(d) for d in done) > 0, done
+    tables = [log for log in logs if "\nreport: " in log]
+    assert len(tables) == 1, logs
+    assert (out / "report.md").exists()
+
+
+WORKER_STAND_IN = '''#!{python}
+"""A stand-in for a training run's worker: records its TF_CONFIG; the chief writes results."""
+import json, os, sys
+args = sys.argv[1:]
+results = args[args.index("--results") + 1]
+config = json.loads(os.environ["TF_CONFIG"])
+with open(os.environ["STAND_IN_CALLS"], "a") as f:
+    f.write(os.environ["TF_CONFIG"] + "\\n")
+if config["task"]["index"] == 0:
+    print("epoch   1/1  test accuracy 0.9000  time   1.00s", flush=True)
+    json.dump(dict(method="sma", config={{}}, environment={{}}, num_learners=4, workers=2,
+                   evaluations=[dict(epoch=1, iteration=10, examples=320, wall_time=1.0, accuracy=0.9, loss=0.1,
+                                     test_examples=64)]), open(results, "w"))
+'''
+
+
+def test_workers_on_named_hosts_start_through_the_launcher_with_the_hosts_in_their_tf_config(tmp_path, monkeypatch):
+    stand_in = tmp_path / "python"
+    stand_in.write_text(WORKER_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("STAND_IN_CALLS", str(calls))
+    (tmp_path / "hostfile").write_text("# the study's machines\nnode-a:2300  # chief\n\nnode-b:2301\n")
+    monkeypatch.setenv("CROSSBOW_HOSTFILE", str(tmp_path / "hostfile"))
+    # A launcher that runs the command here ("ssh {host}" or srun's in real use), told the host.
+    monkeypatch.setenv("CROSSBOW_LAUNCHER", "env LAUNCHED_ON={host}")
+    out = tmp_path / "report"
+    prepare_out_dir(str(out))
+    runner = Runner(str(out), 1, out=open(os.devnull, "w"), python=str(stand_in))
+    record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", "t00_s0", "t00", 0, workers=2), 0.5, 60)
+    assert record.summary is not None and record.summary["reached"], record.error
+    configs = sorted((json.loads(line) for line in calls.read_text().splitlines()),
+                     key=lambda c: c["task"]["index"])
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    assert all(c["cluster"] == {"worker": ["node-a:2300", "node-b:2301"]} for c in configs)
+    log1 = (out / "runs" / "sma" / "t00_s0.worker1.log").read_text()
+    assert log1.startswith("$ env LAUNCHED_ON=node-b env TF_CONFIG=")
