@@ -650,7 +650,7 @@ class Engine:
             sums = [tf.reduce_sum(alg.local(None, None, g, z, lr, s)[2], axis=0)
                     for g, z, s in zip(grads, self.center[d], shares)]
         else:
-            sums, noise = self.update_learners(d, grads, lr, shares, held)
+            sums, noise = self._update_learners(d, grads, lr, shares, held)
         # Each learner's state as its difference from z's: state that no learner changes (a
         # Normalization layer's adapted statistics) stays exactly z's, where a sum of k equal
         # values divided by k would round.
@@ -767,11 +767,16 @@ class Engine:
         new = [self.algorithm.central(z, u, total, lr) for z, u, total in zip(centers, center_velocities, totals)]
         return [z for z, _ in new], [u for _, u in new]
 
-    def update_learners(self, d, grads, lr, shares, held=None):
-        """Applies the learners' rule on device D (inside a tf.function), or with HELD (a _Held) leaves
-        their new values to it; returns the sums of the learners' contributions, one per weight, and
-        noise matching's sums (the learners' steps, weighted gradients and weighted square
-        gradients; three empty lists when it is off)."""
+    def update_learners(self, d, grads, lr, shares):
+        """Applies the learners' rule on device D (inside a tf.function); returns the sums of the
+        learners' contributions, one per weight."""
+        return self._update_learners(d, grads, lr, shares)[0]
+
+    def _update_learners(self, d, grads, lr, shares, held=None):
+        """``update_learners``, or with HELD (a _Held) leaving the learners' new values to it; returns
+        the sums of the learners' contributions, one per weight, and noise matching's sums (the
+        learners' steps, weighted gradients and weighted square gradients; three empty lists when
+        it is off)."""
         if self.optimizers is not None:
             if held is not None:   # the Keras optimizer assigns as it steps: its old values are kept
                 held.keep(self.weights[d] + self.optimizers.state(d))
