@@ -3,13 +3,14 @@ digits through the engine and then through Keras's fit, and saves z before and a
 Run with TF_CONFIG for a worker of a cluster, without it for one process.
 
     python tests/multiworker_worker.py engine|keras|both OUT --devices D --learners M
-        [--iterations N] [--timeout S] [--rules sma sma_h3 diloco_h3 sma_adam sma_adam_nm]
+        [--iterations N] [--timeout S] [--rules sma sma_h3 diloco_h3 sma_adam sma_adam_nm sma_f16 sma_adam_f16]
         [--resume RULE ...]
 
 writes OUT.engine.npz, OUT.engine.initial.npz (and the same for keras); each rule of --rules
 but "sma" trains through the engine too, into OUT.engine_RULE.npz. A rule with a Keras optimizer
-for the learners (sma_adam: Adam; sma_adam_nm: Adam with noise matching) also writes this worker's
-learners, OUT.engine_RULE.learners.npz, and with noise matching its running means (device 0's),
+for the learners (sma_adam: Adam; sma_adam_nm: Adam with noise matching) or under mixed_float16
+(sma_f16, sma_adam_f16: one learner's gradients overflow in iteration 1; their loss scale and good
+steps go to OUT.engine_RULE.scale.npz) also writes this worker's learners, OUT.engine_RULE.learners.npz, and with noise matching its running means (device 0's),
 OUT.engine_RULE.noise.npz. For each rule of --resume a checkpoint is written after N // 2 + 1
 iterations (the chief's, in OUT.engine_RULE.ckpt), and a fresh engine restored from it trains the
 rest, into OUT.engine_RULE.resumed.npz (z and state) and .resumed.learners.npz; with noise matching
@@ -46,10 +47,16 @@ def _rules():
             "sma_h3": (SMA(alpha=0.3, central_step=1.5, sync_period=3), {}, 0.05),
             "diloco_h3": (LocalSGD(period=3, outer_learning_rate=0.7, outer_momentum=0.9, nesterov=True), {}, 0.05),
             "sma_adam": (SMA(momentum=0.0), dict(optimizer=keras.optimizers.Adam()), ADAM_LR),
-            "sma_adam_nm": (SMA(momentum=0.0), dict(optimizer=keras.optimizers.Adam(), noise_matching=True), ADAM_LR)}
+            "sma_adam_nm": (SMA(momentum=0.0), dict(optimizer=keras.optimizers.Adam(), noise_matching=True), ADAM_LR),
+            "sma_f16": (SMA(), dict(loss_scale=True), 0.05),
+            "sma_adam_f16": (SMA(momentum=0.0), dict(optimizer=keras.optimizers.Adam(), loss_scale=True), ADAM_LR)}
 
 
-RULES = ("sma", "sma_h3", "diloco_h3", "sma_adam", "sma_adam_nm")
+RULES = ("sma", "sma_h3", "diloco_h3", "sma_adam", "sma_adam_nm", "sma_f16", "sma_adam_f16")
+# Under mixed_float16 (the rules ending in _f16), iteration OVERFLOW_ITERATION's rows of global
+# learner OVERFLOW_LEARNER (one of the second worker's) are infinite in float16: only that learner's
+# gradients overflow, and every worker must skip the iteration.
+OVERFLOW_ITERATION, OVERFLOW_LEARNER = 1, 5
 ADAM_LR = 0.002
 
 
@@ -72,12 +79,30 @@ def main():
     print("done", flush=True)
 
 
-def fresh_model(strategy, data):
+def fresh_model(strategy, data, policy="float32"):
     import keras
     from crossbow_tf.models import build_model
     # Each worker draws other initial weights: every worker must start from the chief's.
     keras.utils.set_random_seed(7 + 1000 * strategy.worker_index)
-    return build_model("lenet", data.input_shape, data.num_classes)
+    saved = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        return build_model("lenet", data.input_shape, data.num_classes)
+    finally:
+        keras.mixed_precision.set_global_policy(saved)
+
+
+def _with_an_overflow(strategy, batches):
+    """BATCHES with OVERFLOW_LEARNER's rows of iteration OVERFLOW_ITERATION at 1e30 (infinite in
+    float16), on the worker that trains that learner."""
+    import numpy as np
+    local = OVERFLOW_LEARNER - strategy.first_learner
+    if not 0 <= local < strategy.local_learners:
+        return batches
+    x, *rest = batches[OVERFLOW_ITERATION]
+    x = np.array(x)
+    x[local * BATCH:(local + 1) * BATCH] = 1e30
+    return batches[:OVERFLOW_ITERATION] + [(x, *rest)] + batches[OVERFLOW_ITERATION + 1:]
 
 
 def save(path, center, states, losses=(), collectives=-1, local_collectives=-1):
@@ -115,8 +140,8 @@ def _batches(strategy, data, n):
 def _engine(strategy, data, rule, options):
     import keras
     from crossbow_tf.engine.core import Engine
-    return Engine(fresh_model(strategy, data), keras.losses.SparseCategoricalCrossentropy(from_logits=True), rule,
-                  strategy, **options)
+    model = fresh_model(strategy, data, "mixed_float16" if options.get("loss_scale") else "float32")
+    return Engine(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), rule, strategy, **options)
 
 
 def _train(strategy, engine, batches, lr):
@@ -130,8 +155,8 @@ def _train(strategy, engine, batches, lr):
 
 
 def _save_learners(engine, out):
-    """With a Keras optimizer for the learners: this worker's learners' weights."""
-    if engine.optimizers is not None:
+    """With a Keras optimizer for the learners or loss scaling: this worker's learners' weights."""
+    if engine.optimizers is not None or engine.loss_scale is not None:
         save(out + ".learners.npz", [w for learner in engine.learner_weights() for w in learner], [])
 
 
@@ -147,6 +172,8 @@ def train_engine(strategy, data, args, out, rule, options, lr, resume=False):
     from crossbow_tf.engine.checkpoint import Checkpoints, Progress
     from crossbow_tf.results import RunResults
     batches = _batches(strategy, data, args.iterations)
+    if options.get("loss_scale"):
+        batches = _with_an_overflow(strategy, batches)
     engine = _engine(strategy, data, rule, options)
     save(out + ".initial.npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]])
     stop = args.iterations // 2 + 1 if resume else args.iterations
@@ -162,6 +189,8 @@ def train_engine(strategy, data, args, out, rule, options, lr, resume=False):
          collectives=_collectives_per_step(engine, x, y, mask, *count), local_collectives=local)
     _save_learners(engine, out)
     _save_noise(engine, out)
+    if engine.loss_scale is not None:
+        save(out + ".scale.npz", [engine.loss_scale.numpy(), engine.good_steps.numpy()], [])
     if resume:
         resumed = _engine(strategy, data, rule, options)
         _, progress = Checkpoints(out + ".ckpt", resumed).restore_newest(RunResults("sma", {}, env={}),

@@ -85,6 +85,27 @@ def test_an_overflow_skips_the_iteration_everywhere_and_halves_the_scale(cpu_dev
     assert all(v.dtype == "float32" for group in engine.weights + engine.center for v in group)
 
 
+@pytest.mark.parametrize("learners, rule", [("fused", SMA()), ("replicated", SMA(sync_period=2))])
+def test_one_learner_overflowing_skips_the_iteration_for_every_learner(cpu_devices, learners, rule):
+    """Only the last learner (on the second device) sees an input that is infinite in float16, so
+    only its gradients overflow: still no learner, z or statistic changes, and the scale halves.
+    The same batch without that learner's rows trains, so the skip is the flag's doing."""
+    engine = make_engine(cpu_devices[:2], rule, learners, initial_scale=2.0 ** 8)
+    b = 8
+    for iteration in range(2):   # with sync_period=2: a local step, then a synchronising one
+        x, y = batch(engine, iteration)
+        overflowing = x.copy()
+        overflowing[-b:] = 1e30   # the last learner's slice of b rows
+        before = everything(engine)
+        engine.train_step(overflowing, y, None, 0.05, iteration=iteration)
+        assert all(np.array_equal(a, c) for a, c in zip(before, everything(engine), strict=True))
+        assert engine.loss_scale.numpy() == 2.0 ** (7 - iteration) and engine.good_steps.numpy() == 0
+        engine.train_step(x, y, None, 0.05, iteration=iteration)
+        changed = [not np.array_equal(a, c) for a, c in zip(before, everything(engine), strict=True)]
+        assert sum(changed) > len(changed) // 3
+        assert engine.good_steps.numpy() == 1
+
+
 def test_the_scale_doubles_after_the_growth_steps_and_underflow_is_a_divergence(cpu_devices):
     engine = make_engine(cpu_devices[:1], initial_scale=4.0, dynamic_growth_steps=3)
     scales = []
@@ -177,3 +198,33 @@ def test_use_sma_takes_the_scales_rules_from_a_loss_scale_optimizer_around_adam(
     assert engine.loss_scale.numpy() == 2.0 ** 10 and engine.dynamic_growth_steps == 5
     assert isinstance(engine.optimizers.template, keras.optimizers.Adam)   # the learners take Adam's steps
     assert engine.algorithm.momentum == 0.0
+
+
+def test_the_loss_scale_comes_back_from_keras_weight_files(cpu_devices, tmp_path):
+    """use_sma keeps the engine's scale in the compiled LossScaleOptimizer's variables, so that
+    save_weights holds it and a fresh model's load_weights brings it back at fit's start."""
+    import crossbow_tf
+    from crossbow_tf.keras import get_training
+
+    def compiled():
+        with global_policy("mixed_float16"):
+            keras.utils.set_random_seed(0)
+            model = small_cnn()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                                    initial_scale=2.0 ** 40), loss=LOSS)
+        return crossbow_tf.use_sma(model, CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
+    rng = np.random.default_rng(0)
+    x, y = rng.random((256,) + SHAPE, dtype=np.float32), rng.integers(0, CLASSES, 256).astype(np.int32)
+    model = compiled()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    engine = get_training(model).engine
+    trained = (float(engine.loss_scale.numpy()), int(engine.good_steps.numpy()))
+    assert trained[0] < 2.0 ** 40   # the scale fell from its initial value: there is something to restore
+    path = str(tmp_path / "model.weights.h5")
+    model.save_weights(path)
+    again = compiled()
+    again.load_weights(path)
+    training = get_training(again)
+    assert float(training.engine.loss_scale.numpy()) == 2.0 ** 40
+    training.adopt_model_weights()   # what fit runs at its start
+    assert (float(training.engine.loss_scale.numpy()), int(training.engine.good_steps.numpy())) == trained

@@ -68,11 +68,12 @@ def trained(tmp_path_factory):
     Through the engine also with rules that synchronise every third iteration (at iteration 2):
     decoupled SMA and DiLoCo's local SGD; and SMA with Adam for the learners and noise matching, also
     resumed by fresh engines from a checkpoint of iteration 3 (Adam without noise matching runs in the
-    single process only, as the noise-matching test's counterpart)."""
+    single process only, as the noise-matching test's counterpart); and under mixed_float16 with SGD
+    and with Adam, one learner of the second worker overflowing in iteration 1."""
     out = tmp_path_factory.mktemp("multiworker")
     configs, _ = cluster_configs(2)
     common = ["--learners", "2", "--timeout", str(TIMEOUT), "--iterations", "5",
-              "--rules", "sma", "sma_h3", "diloco_h3", "sma_adam_nm"]
+              "--rules", "sma", "sma_h3", "diloco_h3", "sma_adam_nm", "sma_f16", "sma_adam_f16"]
     procs = [start([WORKER_SCRIPT, "both", str(out / f"worker{i}"), "--devices", "2", *common,
                     "--resume", "sma_adam_nm"], configs[i]) for i in range(2)]
     procs.append(start([WORKER_SCRIPT, "both", str(out / "single"), "--devices", "4", *common, "sma_adam"]))
@@ -180,6 +181,32 @@ def test_adam_learners_with_noise_matching_resume_on_two_workers_where_the_run_g
             reference, _ = load(trained / f"{name}.{rule}{part}.npz")
             assert len(resumed) == len(reference) and len(resumed) >= 9
             assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, reference)), name + part
+
+
+@pytest.mark.parametrize("rule", ["sma_f16", "sma_adam_f16"])
+def test_mixed_float16_on_two_workers_skips_one_workers_overflow_everywhere(trained, rule):
+    """Only a learner of the second worker overflows in iteration 1; its flag travels in the
+    iteration's one all-reduce, so the first worker skips the iteration too (its scale halves
+    though its own gradients were finite), and z and every learner end as in one process."""
+    ((z0, losses0), (z1, losses1), (single, _)), learners, single_learners = \
+        cluster_and_single(trained, f"engine_{rule}")
+    for name in ("worker0", "worker1", "single"):
+        with np.load(trained / f"{name}.engine_{rule}.npz") as f:
+            assert int(f["collectives"]) == (0 if name == "single" else 1)
+        scale, _ = load(trained / f"{name}.engine_{rule}.scale.npz")
+        # 2**15 halved by iteration 1's overflow, then 3 good iterations.
+        assert [float(scale[0]), int(scale[1])] == [2.0 ** 14, 3], name
+    assert len(z0) == len(z1) == len(single) == 9
+    for a, b in zip(z0, z1, strict=True):
+        assert np.array_equal(a, b)
+    for a, c in zip(z0, single, strict=True):
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-4)
+    assert len(learners) == len(single_learners) == 8 * 8   # 8 learners x LeNet's 8 weights
+    for a, c in zip(learners, single_learners, strict=True):
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(losses0, losses1)
+    initial, _ = load(trained / f"single.engine_{rule}.initial.npz")
+    assert largest_difference(single[:8], initial) > 1e-3
 
 
 def run_args(*extra):

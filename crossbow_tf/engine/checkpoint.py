@@ -139,11 +139,11 @@ class Checkpoints:
         self.every_iterations, self.at_epoch_end = every_iterations, at_epoch_end
         self.cluster = engine.strategy.cluster
         self.writes = self.cluster is None or self.cluster.is_chief
-        e = engine
-        groups = dict(weights=e.weights, velocities=e.velocities, states=e.states)   # each a list over devices
-        if e.optimizers is not None:
-            # The Keras optimizer's step count and slots, stacked per learner like the weights.
-            groups["optimizer_states"] = e.optimizer_states
+        state = engine.state
+        # Each a list over devices, under the names checkpoints have always used: weights, velocities,
+        # states and, with a Keras optimizer for the learners, its step count and slots, stacked per
+        # learner like the weights.
+        groups = state.learner_groups()
         # This worker's learner variables, in one fixed order (the order of the gather).
         self._local = [v for group in groups.values() for device in group for v in device]
         self._others = []   # on the chief: per other worker, variables mirroring its learners
@@ -160,15 +160,11 @@ class Checkpoints:
             return
         with tf.device("/CPU:0"):
             self._record = tf.Variable("", dtype=tf.string, trainable=False)
-        if e.loss_scale is not None:
+        if state.loss_scale is not None:
             # mixed_float16's dynamic loss scale and its good iterations since it last changed.
-            groups["loss_scale"] = [e.loss_scale, e.good_steps]
-        if e.noise_decay is not None:
-            # Noise matching's running means, the same on every device and worker, like z.
-            groups["noise_statistics"] = [e.noise_variables(d) for d in range(e.strategy.num_devices)]
-        self.checkpoint = tf.train.Checkpoint(
-            center=e.center, center_velocity=e.center_velocity, center_states=e.center_states,
-            record=self._record, **groups)
+            groups["loss_scale"] = state.scale_variables()
+        # z, u, z's state and noise matching's running means (the same on every device and worker).
+        self.checkpoint = tf.train.Checkpoint(record=self._record, **state.center_groups(), **groups)
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep,
                                                   checkpoint_name=CHECKPOINT_NAME)
 
@@ -266,14 +262,13 @@ class Checkpoints:
 
     def _receive_from_chief(self):
         """The chief's z, u and every worker's learners as it restored them: each worker keeps its own."""
-        e, cluster = self.engine, self.cluster
-        shared = lambda d: e.center[d] + e.center_velocity[d] + e.center_states[d] + e.noise_variables(d)  # noqa: E731
-        center = shared(0)
+        state, cluster = self.engine.state, self.cluster
+        center = state.shared_variables(0)
         learners = [self._local] + self._others if self.writes else [self._local] * cluster.num_workers
         arrays = cluster.broadcast_from_chief([v.numpy() for v in center + [v for w in learners for v in w]])
         center_values, arrays = arrays[:len(center)], arrays[len(center):]
-        for d in range(e.strategy.num_devices):
-            for variable, values in zip(shared(d), center_values):
+        for d in range(len(state.devices)):
+            for variable, values in zip(state.shared_variables(d), center_values, strict=True):
                 variable.assign(values)
         own = cluster.worker_index * len(self._local)
         for variable, values in zip(self._local, arrays[own:own + len(self._local)]):

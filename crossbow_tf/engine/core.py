@@ -13,10 +13,7 @@ from crossbow_tf.distribute.reduce import all_reduce_sum
 from crossbow_tf.engine.fused import make_learners
 from crossbow_tf.engine.optimizers import (StackedOptimizers, check_learner_optimizer, check_noise_matching,
                                          second_moment_decay)
-
-# Seeds of per-learner random state (Dropout) differ by this odd stride so that no two learners
-# draw the same masks.
-_SEED_STRIDE = 1_000_003
+from crossbow_tf.engine.state import EngineState, SyncPayload, WorkerPayload
 
 
 def _groups_by_layer(variables):
@@ -109,12 +106,71 @@ def _chief_start(strategy, trainable, states):
     return arrays[:len(trainable)], arrays[len(trainable):]
 
 
+def _check_optimizer_with_rule(optimizer, algorithm):
+    """Refuses a Keras OPTIMIZER for the learners together with the rule's own step options."""
+    check_learner_optimizer(optimizer)
+    if getattr(algorithm, "weight_decay", 0):
+        raise ValueError(f"Engine: with a Keras optimizer the learners take its step, not the rule's: give "
+                         f"{type(optimizer).__name__} its own weight_decay instead of the rule's "
+                         f"weight_decay={algorithm.weight_decay}")
+    if getattr(algorithm, "momentum", 0):
+        raise ValueError(f"Engine: with a Keras optimizer the learners take its step, not the rule's momentum "
+                         f"step: give {type(algorithm).__name__} momentum=0.0 (the rule's "
+                         f"momentum={algorithm.momentum} would be unused; {type(optimizer).__name__}'s own "
+                         "momentum options apply)")
+    if not algorithm.gradient_at_center and not hasattr(algorithm, "correct"):
+        raise ValueError(f"Engine: {type(algorithm).__name__} has no correct() to follow a Keras "
+                         "optimizer's step")
+
+
+def _check_loss_scale_options(initial_scale, dynamic_growth_steps, strategy, algorithm):
+    if not (isinstance(initial_scale, numbers.Real) and math.isfinite(initial_scale)
+            and initial_scale >= np.finfo(np.float32).tiny):
+        raise ValueError(f"Engine: initial_scale must be a finite positive number, got {initial_scale!r}")
+    if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) \
+            or dynamic_growth_steps < 1:
+        raise ValueError(f"Engine: dynamic_growth_steps must be an integer >= 1, got {dynamic_growth_steps!r}")
+    if strategy.cluster is not None and (algorithm.synchronisation_period != 1
+                                         or getattr(algorithm, "local_after_epochs", None) is not None):
+        # Every worker skips an overflowing iteration together only where the iteration's all-reduce
+        # carries the flags; a local step has none, and the workers' scales would part.
+        from crossbow_tf.errors import ConfigError
+        raise ConfigError("loss scaling (mixed_float16) across several workers needs a rule that synchronises "
+                          "every iteration (no sync period or local_after_epochs): every worker skips an "
+                          "overflowing iteration together by the flag in its all-reduce")
+
+
+class _Held:
+    """The learners' new values of a step whose assignment waits for a flag (``assign``), and the old
+    values of variables already assigned, to put back should the flag say no (``restore``)."""
+
+    def __init__(self):
+        self._new, self._old = [], []
+
+    def hold(self, variables, values):
+        self._new.extend(zip(variables, values, strict=True))
+
+    def keep(self, variables):
+        self._old.extend((v, v.read_value()) for v in variables)
+
+    def assign(self):
+        for variable, value in self._new:
+            variable.assign(value)
+
+    def restore(self):
+        for variable, value in self._old:
+            variable.assign(value)
+        return tf.constant(False)
+
+
 class Engine:
     """Trains the learners of MODEL with ALGORITHM, placed by STRATEGY.
 
     Per device d it keeps one variable per model weight with a leading axis of m learners (their
     weights, velocities and non-trainable state), and its own copy of the central model z and its
-    velocity u. MODEL itself is left alone until ``write_center_to_model`` copies z into it.
+    velocity u, all in ``self.state`` (crossbow_tf.engine.state.EngineState), which is what
+    checkpoints, the Keras path and the diagnostics use. MODEL itself is left alone until
+    ``write_center_to_model`` copies z into it.
     """
 
     def __init__(self, model, loss, algorithm, strategy, jit_compile=False, learners="auto", jit_update=True,
@@ -142,6 +198,48 @@ class Engine:
         (crossbow_tf.algorithms.noise_matching), so that z advances one step of the optimizer at the
         global batch B. The steps and statistics travel in the iteration's one all-reduce (four
         times the bytes of the corrections alone)."""
+        self._check_arguments(model, algorithm, strategy, learners, reset_on_lr_drop, optimizer, noise_matching,
+                              jit_compile)
+        if not isinstance(loss_scale, bool):
+            raise TypeError(f"Engine: loss_scale must be True or False, got {loss_scale!r}")
+        if loss_scale:
+            _check_loss_scale_options(initial_scale, dynamic_growth_steps, strategy, algorithm)
+        self.model = model
+        self.strategy = strategy
+        self._host = _host_of(strategy.devices[0])
+        self.algorithm = algorithm.resolve(strategy.num_learners)
+        self.reset_on_lr_drop = reset_on_lr_drop and self.algorithm.reset_on_lr_drop
+        self._previous_lr = None          # the learning rate of the last train_step
+        self._learners_at_center = True   # no step since the learners were last set to z
+        # learners: "auto" (fused when every layer allows it), "fused", "replicated", or a computation.
+        self.learners = make_learners(model, loss, learners) if isinstance(learners, str) else learners
+        self.state = self._make_state(optimizer, noise_matching)
+        # Noise matching's running means decay as the optimizer's second moment does.
+        self.noise_decay = second_moment_decay(optimizer) if noise_matching else None
+        # The learners' update touches every learner's copy of every weight several times and is
+        # memory-bound; compiling it with XLA fuses those passes (tools/ab_step.py, LeNet with 8
+        # learners: 24.6 instead of 29.3 ms per iteration). The central update touches one copy: compiling
+        # it cost 0.13 s at start-up and saved nothing per iteration (LeNet, 8 learners), so it is not.
+        # The rest of the step stays un-jitted unless JIT_COMPILE asks: XLA is slower for the
+        # convolutions on CPU. No AutoGraph: the step has no tensor-dependent Python control flow,
+        # and converting it took 1.2 of its 1.4 s of tracing.
+        # One XLA launch per group of layers rather than one for all weights: a group's update starts
+        # as soon as its gradients exist and overlaps backpropagation through the layers below
+        # (tools/ab_step.py, LeNet with 8 learners: 25.8 -> 24.6 ms per iteration).
+        self._update_groups = _update_groups(model.trainable_variables, strategy.learners_per_device)
+        self._central_update = tf.function(self._central_update_fn, autograph=False)
+        self._build_steps(jit_compile, jit_update)
+        self.iteration = 0                # the next train_step's iteration, unless it is given one
+        self.iterations_per_epoch = None  # for rules whose period changes after some epochs
+        self._reset = tf.function(self.state.restart_from_center, autograph=False)
+        self._make_flags()
+        if loss_scale:
+            self.dynamic_growth_steps = int(dynamic_growth_steps)
+            self.state.add_loss_scale(initial_scale)
+
+    @staticmethod
+    def _check_arguments(model, algorithm, strategy, learners, reset_on_lr_drop, optimizer, noise_matching,
+                         jit_compile):
         from crossbow_tf.distribute.strategy import CrossbowStrategy
         if not isinstance(model, keras.Model):
             raise TypeError(f"Engine: model must be a keras.Model, got {type(model).__name__}")
@@ -157,50 +255,21 @@ class Engine:
         if not model.built:
             raise ValueError(f"model {model.name!r} is not built: give it an Input or call build() first")
         if optimizer is not None:
-            check_learner_optimizer(optimizer)
-            if getattr(algorithm, "weight_decay", 0):
-                raise ValueError(f"Engine: with a Keras optimizer the learners take its step, not the rule's: give "
-                                 f"{type(optimizer).__name__} its own weight_decay instead of the rule's "
-                                 f"weight_decay={algorithm.weight_decay}")
-            if getattr(algorithm, "momentum", 0):
-                raise ValueError(f"Engine: with a Keras optimizer the learners take its step, not the rule's momentum "
-                                 f"step: give {type(algorithm).__name__} momentum=0.0 (the rule's "
-                                 f"momentum={algorithm.momentum} would be unused; {type(optimizer).__name__}'s own "
-                                 "momentum options apply)")
-            if not algorithm.gradient_at_center and not hasattr(algorithm, "correct"):
-                raise ValueError(f"Engine: {type(algorithm).__name__} has no correct() to follow a Keras "
-                                 "optimizer's step")
+            _check_optimizer_with_rule(optimizer, algorithm)
         if not isinstance(noise_matching, bool):
             raise TypeError(f"Engine: noise_matching must be True or False, got {noise_matching!r}")
         if noise_matching:
             check_noise_matching(optimizer, algorithm)
-        if not isinstance(loss_scale, bool):
-            raise TypeError(f"Engine: loss_scale must be True or False, got {loss_scale!r}")
-        if loss_scale:
-            if not (isinstance(initial_scale, numbers.Real) and math.isfinite(initial_scale)
-                    and initial_scale >= np.finfo(np.float32).tiny):
-                raise ValueError(f"Engine: initial_scale must be a finite positive number, got {initial_scale!r}")
-            if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) \
-                    or dynamic_growth_steps < 1:
-                raise ValueError(f"Engine: dynamic_growth_steps must be an integer >= 1, got {dynamic_growth_steps!r}")
-            if strategy.cluster is not None:
-                from crossbow_tf.errors import ConfigError
-                raise ConfigError("loss scaling (mixed_float16) across several workers is not supported yet: train "
-                                  "on one worker, or use mixed_bfloat16 or float32")
         if jit_compile and strategy.reduction_name == "nccl":
             from crossbow_tf.errors import ConfigError
             raise ConfigError("jit_compile: the NCCL all-reduce has no XLA kernel (TensorFlow issue 48502): set "
                               "jit_compile false (jit_update still compiles the learners' update with XLA)")
-        self.model = model
-        self.strategy = strategy
-        self._host = _host_of(strategy.devices[0])
-        self.algorithm = algorithm.resolve(strategy.num_learners)
-        self.reset_on_lr_drop = reset_on_lr_drop and self.algorithm.reset_on_lr_drop
-        self._previous_lr = None          # the learning rate of the last train_step
-        self._learners_at_center = True   # no step since the learners were last set to z
-        # learners: "auto" (fused when every layer allows it), "fused", "replicated", or a computation.
-        self.learners = make_learners(model, loss, learners) if isinstance(learners, str) else learners
-        m = strategy.learners_per_device
+
+    def _make_state(self, optimizer, noise_matching):
+        """The engine's variables, every learner and z starting from the model's weights (across
+        workers, the chief's), and the learners' (or, for S-SGD, z's) Keras optimizer, one clone per
+        device on its stacks."""
+        model, strategy = self.model, self.strategy
         trainable = [np.asarray(v.numpy()) for v in model.trainable_variables]
         states = [np.asarray(v.numpy()) for v in model.non_trainable_variables]
         # Across workers: one all-reduce per iteration, and every worker starts from the chief's z.
@@ -208,58 +277,24 @@ class Engine:
         if strategy.cluster is not None:
             trainable, states = _chief_start(strategy, trainable, states)
             self._cross_worker = CrossWorkerReduction(strategy.cluster, strategy.devices[0])
-        self._float_state = [_is_float(v) for v in model.non_trainable_variables]
-        self.weights, self.velocities, self.states = [], [], []
-        self.center, self.center_velocity, self.center_states = [], [], []
-        learner_weights = not self.algorithm.gradient_at_center
-        # Without learner momentum the velocities would only be written, never read: not kept.
-        keeps_velocity = learner_weights and self.algorithm.keeps_learner_velocity and optimizer is None
-        for d, device in enumerate(strategy.devices):
-            with tf.device(device):
-                self.center.append([tf.Variable(w, name="z") for w in trainable])
-                self.center_velocity.append([tf.Variable(np.zeros_like(w), name="u") for w in trainable])
-                self.center_states.append([tf.Variable(s, name="z_state") for s in states])
-                if learner_weights:
-                    self.weights.append([tf.Variable(np.stack([w] * m), name="w") for w in trainable])
-                    self.velocities.append(
-                        [tf.Variable(np.zeros((m,) + w.shape, w.dtype), name="v") for w in trainable]
-                        if keeps_velocity else [])
-                self.states.append([tf.Variable(self._learner_states(s, is_float, d), name="state")
-                                    for s, is_float in zip(states, self._float_state)])
-        # The learners' (or, for S-SGD, z's) Keras optimizer, one clone per device on its stacks.
-        self.optimizers = None
+        keeps_learners = not self.algorithm.gradient_at_center
+        state = EngineState(
+            strategy.devices, trainable, states, [_is_float(v) for v in model.non_trainable_variables],
+            strategy.learners_per_device, strategy.first_learner, keeps_learners=keeps_learners,
+            # Without learner momentum the velocities would only be written, never read: not kept.
+            keeps_velocity=self.algorithm.keeps_learner_velocity and optimizer is None,
+            noise_matching=noise_matching)
         if optimizer is not None:
-            self.optimizers = StackedOptimizers(optimizer, self.weights if learner_weights else self.center,
-                                                strategy.devices, model.trainable_variables, stacked=learner_weights)
-        # Noise matching's running means, identical on every device (updated from the all-reduced sums).
-        self.noise_decay = second_moment_decay(optimizer) if noise_matching else None
-        self.learner_square, self.global_square = [], []
-        if noise_matching:
-            for device in strategy.devices:
-                with tf.device(device):
-                    self.learner_square.append([tf.Variable(np.zeros(w.shape, np.float32), trainable=False,
-                                                            name="learner_square") for w in trainable])
-                    self.global_square.append([tf.Variable(np.zeros(w.shape, np.float32), trainable=False,
-                                                           name="global_square") for w in trainable])
-        # The learners' update touches every learner's copy of every weight several times and is
-        # memory-bound; compiling it with XLA fuses those passes (tools/ab_step.py, LeNet with 8
-        # learners: 24.6 instead of 29.3 ms per iteration). The central update touches one copy: compiling
-        # it cost 0.13 s at start-up and saved nothing per iteration (LeNet, 8 learners), so it is not.
-        # The rest of the step stays un-jitted unless JIT_COMPILE asks: XLA is slower for the
-        # convolutions on CPU. No AutoGraph: the step has no tensor-dependent Python control flow,
-        # and converting it took 1.2 of its 1.4 s of tracing.
-        # One XLA launch per group of layers rather than one for all weights: a group's update starts
-        # as soon as its gradients exist and overlaps backpropagation through the layers below
-        # (tools/ab_step.py, LeNet with 8 learners: 25.8 -> 24.6 ms per iteration).
-        self._update_groups = _update_groups(model.trainable_variables, m)
-        self._central_update = tf.function(self._central_update_fn, autograph=False)
-        self._build_steps(jit_compile, jit_update)
-        self.iteration = 0                # the next train_step's iteration, unless it is given one
-        self.iterations_per_epoch = None  # for rules whose period changes after some epochs
-        self._reset = tf.function(self._reset_fn, autograph=False)
-        # Whether the last step's loss and z were finite: written by every step, read only when the
-        # loss it returned says something was not.
-        with tf.device(strategy.devices[0]):
+            stacks = state.per_device("weights" if keeps_learners else "center")
+            state.attach_optimizers(StackedOptimizers(optimizer, stacks, strategy.devices, model.trainable_variables,
+                                                      stacked=keeps_learners))
+        return state
+
+    def _make_flags(self):
+        """The step's flags, on the first device."""
+        with tf.device(self.strategy.devices[0]):
+            # Whether the last step's loss and z were finite: written by every step, read only when the
+            # loss it returned says something was not.
             self._finite = tf.Variable(tf.ones([2], tf.bool), trainable=False, name="finite")
             if self._cross_worker is not None:
                 self._stop_vote = tf.Variable(0.0, trainable=False, name="stop_vote")
@@ -267,13 +302,21 @@ class Engine:
                 # A non-finite loss in a local step waits for the next synchronisation, so that
                 # every worker learns of it in the same iteration.
                 self._pending_non_finite = tf.Variable(0.0, trainable=False, name="pending_non_finite")
-            # The dynamic loss scale, one for every learner, and the good iterations since it last changed.
-            self.loss_scale = self.good_steps = None
-            if loss_scale:
-                self.dynamic_growth_steps = int(dynamic_growth_steps)
-                self.loss_scale = tf.Variable(float(initial_scale), dtype=tf.float32, trainable=False,
-                                              name="loss_scale")
-                self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps")
+
+    # The engine's variables, read through its state (see crossbow_tf.engine.state).
+    center = property(lambda self: self.state.per_device("center"), doc="z, per device")
+    center_velocity = property(lambda self: self.state.per_device("center_velocity"), doc="u, per device")
+    center_states = property(lambda self: self.state.per_device("center_states"), doc="z's state, per device")
+    weights = property(lambda self: self.state.per_device("weights"),
+                       doc="the learners' weight stacks, per device (none for a rule at z)")
+    velocities = property(lambda self: self.state.per_device("velocities"), doc="the learners' velocity stacks")
+    states = property(lambda self: self.state.per_device("states"), doc="the learners' state stacks, per device")
+    learner_square = property(lambda self: self.state.per_device("learner_square"))
+    global_square = property(lambda self: self.state.per_device("global_square"))
+    optimizers = property(lambda self: self.state.optimizers, doc="the learners' StackedOptimizers, or None")
+    loss_scale = property(lambda self: self.state.loss_scale, doc="the dynamic loss scale, or None")
+    good_steps = property(lambda self: self.state.good_steps)
+    _float_state = property(lambda self: self.state.float_state)
 
     def _build_steps(self, jit_compile, jit_update):
         """The compiled step functions, the learners' updates with XLA when JIT_UPDATE."""
@@ -302,27 +345,34 @@ class Engine:
         try:
             result = step(*args)
         except XLA_ERRORS as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if not _is_xla_failure(e):
-                raise
-            print(f"note: XLA failed on the first step ({message[:200]}); training without XLA "
-                  "(jit_update and jit_compile off)", file=sys.stderr, flush=True)
             synchronising = step is self._step
-            self._build_steps(False, False)
+            if not self.fall_back_without_xla(e):
+                raise
             step = self._step if synchronising else self._local_step
             result = step(*args)
         self._xla_checked = True
         return result
 
-    def _learner_states(self, state, is_float, device_index):
-        m = self.strategy.learners_per_device
-        stack = np.stack([state] * m)
-        if not is_float:
-            # Integer state is random-generator state: give every learner its own stream.
-            for i in range(m):
-                j = self.strategy.first_learner + device_index * m + i
-                stack[i].flat[0] = stack[i].flat[0] + _SEED_STRIDE * (j + 1)
-        return stack
+    @property
+    def xla_checked(self):
+        """Whether a step has run with the engine's XLA settings (or none asks for XLA)."""
+        return self._xla_checked
+
+    def confirm_xla(self):
+        """Records that a step has run with the engine's XLA settings (Keras's fit runs the steps)."""
+        self._xla_checked = True
+
+    def fall_back_without_xla(self, error, note=""):
+        """After ERROR, raised by the first step: when it is XLA's failure to compile, rebuilds the
+        steps without XLA, says so in one line (with NOTE) and returns True; else False."""
+        if not _is_xla_failure(error):
+            return False
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"note: XLA failed on the first step ({message[:200]}); training without XLA "
+              f"(jit_update and jit_compile off){note}", file=sys.stderr, flush=True)
+        self._build_steps(False, False)
+        self._xla_checked = True
+        return True
 
     @property
     def num_learners(self):
@@ -473,7 +523,13 @@ class Engine:
         computed = self._learners_on_devices(weights, x, y, mask)
         if self.loss_scale is None:
             loss_sum = self._synchronise(computed, mask, lr, total_count)
-        else:   # one worker (cross-worker loss scaling is refused): the loss sum needs no reduction
+        elif self._cross_worker is not None:
+            # Every worker's "all finite" flag reaches every worker in the iteration's one all-reduce;
+            # the learners' new values wait for it (see _synchronise).
+            loss_sum, finite = self._synchronise(computed, mask, lr, total_count,
+                                                 finite=self._gradients_finite(computed))
+            underflowed = self._update_loss_scale(finite)
+        else:   # one worker: the loss sum needs no reduction, and the update runs only when finite
             loss_sum = tf.reduce_sum(tf.stack([tf.reduce_sum(losses * tf.reduce_sum(mask[d], axis=1))
                                                for d, (losses, *_) in enumerate(computed)]))
             underflowed = self._unless_overflow(computed, lambda: self._synchronise(computed, mask, lr, total_count))
@@ -510,18 +566,27 @@ class Engine:
         if self.loss_scale is None:
             update()
             return None
+        finite = self._gradients_finite(computed)
+
+        def run():
+            update()
+            return tf.constant(True)
+        tf.cond(finite, run, lambda: tf.constant(False))
+        return self._update_loss_scale(finite)
+
+    def _gradients_finite(self, computed):
+        """Whether every gradient of every learner of this worker in COMPUTED is finite."""
         # One boolean per device, computed where its gradients are: D booleans cross devices, not D x m stacks.
         per_device = []
         for device, (_, grads, *_) in zip(self.strategy.devices, computed):
             with tf.device(device):
                 per_device.append(tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads])))
         with tf.device(self.strategy.devices[0]):
-            finite = tf.reduce_all(tf.stack(per_device))
+            return tf.reduce_all(tf.stack(per_device))
 
-        def run():
-            update()
-            return tf.constant(True)
-        tf.cond(finite, run, lambda: tf.constant(False))
+    def _update_loss_scale(self, finite):
+        """The loss scale halved after a skipped iteration (not FINITE), doubled after
+        dynamic_growth_steps good ones in a row; whether it has underflowed."""
         with tf.device(self.strategy.devices[0]):
             scale, good = self.loss_scale.read_value(), self.good_steps.read_value()
             grow = tf.logical_and(finite, tf.equal(good, self.dynamic_growth_steps - 1))
@@ -530,66 +595,103 @@ class Engine:
                                             tf.zeros_like(good)))
             return self.loss_scale.read_value() < np.finfo(np.float32).tiny
 
-    def _synchronise(self, computed, mask, lr, total_count):
+    def _synchronise(self, computed, mask, lr, total_count, finite=None):
         """The synchronising iteration's update of the learners, z, u and the states from COMPUTED
-        (``_learners_on_devices``); returns the iteration's loss sum (over every worker)."""
-        strategy, alg = self.strategy, self.algorithm
-        D, m = strategy.num_devices, strategy.learners_per_device
-        local = []
+        (``_learners_on_devices``); returns the iteration's loss sum (over every worker).
+
+        FINITE (loss scaling across workers): this worker's "every gradient finite" flag. It travels
+        in the cross-worker all-reduce; the learners' new values are held (with a Keras optimizer,
+        which assigns as it steps, their old values and its slots' are kept instead) until the
+        reduction has carried every worker's flag, then assigned (or restored) under it, with z's
+        update. Returns (the loss sum, whether every worker's gradients were finite)."""
+        strategy = self.strategy
+        held = None if finite is None else _Held()
+        payloads, new_states, loss_sums = [], [], []
         for d, device in enumerate(strategy.devices):
             with tf.device(device):
-                losses, grads, new_states, _ = computed[d]
-                counts = tf.reduce_sum(mask[d], axis=1)
-                share = counts / tf.maximum(total_count, 1.0)
-                shares = [tf.reshape(share, [m] + [1] * (len(g.shape) - 1)) for g in grads]
-                if alg.gradient_at_center:
-                    sums = [tf.reduce_sum(alg.local(None, None, g, z, lr, s)[2], axis=0)
-                            for g, z, s in zip(grads, self.center[d], shares)]
-                else:
-                    sums = self.update_learners(d, grads, lr, shares)
-                # Each learner's state as its difference from z's: state that no learner changes (a
-                # Normalization layer's adapted statistics) stays exactly z's, where a sum of k equal
-                # values divided by k would round.
-                state_sums = [tf.reduce_sum(s - zs, axis=0) for s, zs, f in
-                              zip(new_states, self.center_states[d], self._float_state) if f]
-                loss_sum = tf.reduce_sum(losses * counts)
-                local.append(dict(states=new_states, sums=sums + state_sums, loss_sum=loss_sum))
-        reduced = all_reduce_sum(strategy.cross_device_ops, [l["sums"] for l in local])
+                payload, states, loss_sum = self._device_payload(d, computed[d], mask[d], lr, total_count, held)
+                payloads.append(payload)
+                new_states.append(states)
+                loss_sums.append(loss_sum)
+        reduced = [payloads[0].unpack(flat) for flat in
+                   all_reduce_sum(strategy.cross_device_ops, [payload.pack() for payload in payloads])]
         # A stacked sum, not add_n: AddN's order (and so the reported loss's last bit) varies by run.
-        loss_sum = tf.reduce_sum(tf.stack([l["loss_sum"] for l in local]))
+        loss_sum = tf.reduce_sum(tf.stack(loss_sums))
         if self._cross_worker is not None:
-            # The worker's sums from its first device, with the loss sum: one all-reduce per iteration.
-            # A worker's request to stop (a signal it received) travels in it too, so that every
-            # worker stops after the same iteration.
-            *totals, loss_sum, stop_votes, non_finite = self._cross_worker(
-                reduced[0] + [loss_sum, self._stop_vote.read_value(), self._pending_non_finite.read_value()])
-            self._stop_votes.assign(stop_votes)
-            self._pending_non_finite.assign(0.0)
-            # A local step since the last synchronisation went non-finite on some worker.
-            loss_sum = tf.where(non_finite > 0, tf.constant(float("nan"), loss_sum.dtype), loss_sum)
-            reduced = [totals] * D
-        n_weights = len(self.center[0])
+            totals, loss_sum, overflows = self._reduce_across_workers(reduced[0], loss_sum, finite)
+            reduced = [totals] * strategy.num_devices
+
+        def apply():
+            if held is not None:
+                held.assign()
+            for d, device in enumerate(strategy.devices):
+                with tf.device(device):
+                    self._apply_reduced(d, reduced[d], new_states[d], lr)
+            if self.algorithm.restarts_learners:
+                self.state.restart_from_center()
+            return tf.constant(True)
+        if held is None:
+            apply()
+            return loss_sum
+        all_finite = tf.equal(overflows, 0.0)
+        tf.cond(all_finite, apply, held.restore)
+        return loss_sum, all_finite
+
+    def _device_payload(self, d, computed, mask, lr, total_count, held=None):
+        """Device D's learners' update from COMPUTED (its ``_learners_on_devices`` entry), held in
+        HELD when given: (its SyncPayload, the learners' new states, its loss sum)."""
+        alg, m = self.algorithm, self.strategy.learners_per_device
+        losses, grads, new_states, _ = computed
+        counts = tf.reduce_sum(mask, axis=1)
+        share = counts / tf.maximum(total_count, 1.0)
+        shares = [tf.reshape(share, [m] + [1] * (len(g.shape) - 1)) for g in grads]
+        noise = ([], [], [])
+        if alg.gradient_at_center:
+            sums = [tf.reduce_sum(alg.local(None, None, g, z, lr, s)[2], axis=0)
+                    for g, z, s in zip(grads, self.center[d], shares)]
+        else:
+            sums, noise = self._update_learners(d, grads, lr, shares, held)
+        # Each learner's state as its difference from z's: state that no learner changes (a
+        # Normalization layer's adapted statistics) stays exactly z's, where a sum of k equal
+        # values divided by k would round.
+        state_sums = [tf.reduce_sum(s - zs, axis=0) for s, zs, f in
+                      zip(new_states, self.center_states[d], self._float_state) if f]
+        payload = SyncPayload(totals=sums, steps=noise[0], gradients=noise[1], squares=noise[2],
+                              state_totals=state_sums)
+        return payload, new_states, tf.reduce_sum(losses * counts)
+
+    def _reduce_across_workers(self, sums, loss_sum, finite=None):
+        """The worker's SUMS (a SyncPayload, from its first device) and LOSS_SUM summed over the
+        workers in the iteration's one all-reduce: (the totals, the loss sum, NaN when a local step
+        since the last synchronisation went non-finite on some worker, and the number of workers
+        whose gradients were not FINITE). A worker's request to stop (a signal it received) travels
+        in it too, so that every worker stops after the same iteration."""
+        overflow = tf.constant(0.0) if finite is None else 1.0 - tf.cast(finite, tf.float32)
+        mine = WorkerPayload(sums=sums, loss_sum=loss_sum, stop_vote=self._stop_vote.read_value(),
+                             non_finite=self._pending_non_finite.read_value(), overflows=overflow)
+        total = mine.unpack(self._cross_worker(mine.pack()))
+        self._stop_votes.assign(total.stop_vote)
+        self._pending_non_finite.assign(0.0)
+        loss_sum = tf.where(total.non_finite > 0, tf.constant(float("nan"), loss_sum.dtype), total.loss_sum)
+        return total.sums, loss_sum, total.overflows
+
+    def _apply_reduced(self, d, reduced, new_states, lr):
+        """Device D's z, u, noise statistics and states from the iteration's REDUCED SyncPayload and
+        the learners' NEW_STATES."""
         k = float(self.num_learners)
-        noise_sums = 3 * n_weights if self.noise_decay is not None else 0
-        for d, device in enumerate(strategy.devices):
-            with tf.device(device):
-                totals, state_totals = reduced[d][:n_weights], reduced[d][n_weights + noise_sums:]
-                self.update_center(d, totals, lr)
-                if noise_sums:
-                    self._match_noise(d, reduced[d][n_weights:n_weights + noise_sums])
-                float_states = iter(state_totals)
-                for i, s in enumerate(local[d]["states"]):
-                    self.states[d][i].assign(s)
-                    if self._float_state[i]:
-                        # z's BatchNorm statistics are the mean of all learners' statistics.
-                        self.center_states[d][i].assign(self.center_states[d][i] + next(float_states) / k)
-        if alg.restarts_learners:
-            self._reset_fn()
-        return loss_sum
+        self.update_center(d, reduced.totals, lr)
+        if self.noise_decay is not None:
+            self._match_noise(d, reduced.steps + reduced.gradients + reduced.squares)
+        float_states = iter(reduced.state_totals)
+        for i, s in enumerate(new_states):
+            self.states[d][i].assign(s)
+            if self._float_state[i]:
+                # z's BatchNorm statistics are the mean of all learners' statistics.
+                self.center_states[d][i].assign(self.center_states[d][i] + next(float_states) / k)
 
     def noise_variables(self, d):
         """Device D's noise-matching statistics (none when it is off), the same on every device."""
-        return self.learner_square[d] + self.global_square[d] if self.noise_decay is not None else []
+        return self.state.devices[d].noise_statistics
 
     def _match_noise(self, d, sums):
         """Noise matching on device D from the iteration's reduced SUMS (the learners' steps, weighted
@@ -605,7 +707,7 @@ class Engine:
         mean step lacks, then the statistics with this iteration taken in (one XLA launch; the new
         values are returned, as in _local_update_fn)."""
         n, k = len(centers), self.num_learners
-        steps, gradients, squares = sums[:n], sums[n:2 * n], sums[2 * n:]
+        steps, gradients, squares = sums[:n], sums[n:2 * n], sums[2 * n:]   # _apply_reduced's order
         new = ([], [], [], [])
         for z, w, a, c, step, mean_gradient, mean_square in zip(centers, weights, learner_squares, global_squares,
                                                                 steps, gradients, squares):
@@ -668,7 +770,16 @@ class Engine:
     def update_learners(self, d, grads, lr, shares):
         """Applies the learners' rule on device D (inside a tf.function); returns the sums of the
         learners' contributions, one per weight."""
+        return self._update_learners(d, grads, lr, shares)[0]
+
+    def _update_learners(self, d, grads, lr, shares, held=None):
+        """``update_learners``, or with HELD (a _Held) leaving the learners' new values to it; returns
+        the sums of the learners' contributions, one per weight, and noise matching's sums (the
+        learners' steps, weighted gradients and weighted square gradients; three empty lists when
+        it is off)."""
         if self.optimizers is not None:
+            if held is not None:   # the Keras optimizer assigns as it steps: its old values are kept
+                held.keep(self.weights[d] + self.optimizers.state(d))
             return self._optimizer_update(d, grads, lr, shares, self.noise_decay is not None)
         sums = [None] * len(grads)
         for group in self._update_groups:
@@ -677,11 +788,14 @@ class Engine:
             weights, velocities = pick(self.weights[d]), pick(self.velocities[d]) if self.velocities[d] else []
             new_weights, new_velocities, group_sums = self._local_update(
                 weights, velocities, pick(grads), pick(self.center[d]), lr, pick(shares))
-            for variable, value in zip(weights + velocities, new_weights + new_velocities):
-                variable.assign(value)
+            if held is not None:
+                held.hold(weights + velocities, new_weights + new_velocities)
+            else:
+                for variable, value in zip(weights + velocities, new_weights + new_velocities):
+                    variable.assign(value)
             for i, total in zip(group, group_sums):
                 sums[i] = total
-        return sums
+        return sums, ([], [], [])
 
     def _optimizer_update_fn(self, d, grads, lr, shares, noise_sums=False):
         """The Keras optimizer's step on device D's learners, then the rule's correction of it; the
@@ -700,17 +814,15 @@ class Engine:
             if noise_sums:
                 steps.append(tf.reduce_sum(tf.cast(stepped - s, tf.float32), axis=0))
         if not noise_sums:
-            return sums
+            return sums, ([], [], [])
         grads = [tf.cast(g, tf.float32) for g in grads]
-        return (sums + steps + [tf.reduce_sum(p * g, axis=0) for g, p in zip(grads, shares)]
-                + [tf.reduce_sum(p * g * g, axis=0) for g, p in zip(grads, shares)])
+        return sums, (steps, [tf.reduce_sum(p * g, axis=0) for g, p in zip(grads, shares)],
+                      [tf.reduce_sum(p * g * g, axis=0) for g, p in zip(grads, shares)])
 
     @property
     def optimizer_states(self):
         """Per device, the variables of its optimizer clone (empty lists without a Keras optimizer)."""
-        if self.optimizers is None:
-            return [[] for _ in self.strategy.devices]
-        return [self.optimizers.state(d) for d in range(self.strategy.num_devices)]
+        return self.state.per_device("optimizer_states")
 
     def vote_stop(self):
         """On several workers: asks every worker to stop after the next step (this worker received
@@ -763,34 +875,16 @@ class Engine:
             self._reset()
         self._learners_at_center = True
 
-    def _reset_fn(self):
-        m = self.strategy.learners_per_device
-        for d, device in enumerate(self.strategy.devices):
-            with tf.device(device):
-                for w, z in zip(self.weights[d], self.center[d]):
-                    w.assign(tf.broadcast_to(z, [m] + z.shape.as_list()))
-                for s, zs, f in zip(self.states[d], self.center_states[d], self._float_state):
-                    if f:
-                        s.assign(tf.broadcast_to(zs, [m] + zs.shape.as_list()))
-
     def center_weights(self):
         """The central model z (trainable weights) as NumPy arrays, from the first device."""
-        return [z.numpy() for z in self.center[0]]
+        return self.state.center_arrays()
 
     def learner_weights(self):
         """Every learner's trainable weights: list over learners j of lists of arrays."""
         if self.algorithm.gradient_at_center:
             return [self.center_weights() for _ in range(self.num_learners)]
-        out = []
-        for d in range(self.strategy.num_devices):
-            stacks = [w.numpy() for w in self.weights[d]]
-            out.extend([[s[i] for s in stacks] for i in range(self.strategy.learners_per_device)])
-        return out
+        return self.state.learner_arrays()
 
     def write_center_to_model(self):
         """Copies z (weights and averaged float state) into the user's model."""
-        for var, z in zip(self.model.trainable_variables, self.center[0]):
-            var.assign(z)
-        for var, z, f in zip(self.model.non_trainable_variables, self.center_states[0], self._float_state):
-            if f:
-                var.assign(z)
+        self.state.write_center_to(self.model)

@@ -3,7 +3,8 @@
 Why SMA needs more epochs where it does: learners drifting apart (their mean distance to z grows)
 and an average that no learner is (a learner's accuracy well above z's), against a central model
 that lags (a learner no better than z). `learner_report` measures both; it reads the engine's
-variables and writes the model only through ``write_learner_to_model`` / ``write_center_to_model``.
+variables through its state (crossbow_tf.engine.state) and writes the model only through
+``write_learner_to_model`` / ``write_center_to_model``.
 
 BatchNorm: z's statistics are the mean of the learners' statistics, which need not match z's
 averaged weights (stochastic weight averaging recomputes them for this reason). `recompute_batchnorm`
@@ -18,28 +19,22 @@ def mean_distance_to_center(engine):
     if engine.algorithm.gradient_at_center:
         return 0.0
     squares = []
-    for d, device in enumerate(engine.strategy.devices):
-        with tf.device(device):
+    for device in engine.state.devices:
+        with tf.device(device.device):
             per = [tf.reduce_sum(tf.reshape(tf.square(w - z[None]), [w.shape[0], -1]), axis=1)
-                   for w, z in zip(engine.weights[d], engine.center[d])]
+                   for w, z in zip(device.weights, device.center)]
             squares.append(tf.add_n(per).numpy())
     return float(np.mean(np.sqrt(np.concatenate(squares))))
 
 
 def center_norm(engine):
-    return float(np.sqrt(sum(float(tf.reduce_sum(tf.square(z))) for z in engine.center[0])))
+    return float(np.sqrt(sum(float(np.sum(np.square(z))) for z in engine.state.center_arrays())))
 
 
 def write_learner_to_model(engine, j):
     """Copies learner J's weights and float state into the engine's model (z is restored by
     ``engine.write_center_to_model``)."""
-    m = engine.strategy.learners_per_device
-    d, i = divmod(j, m)
-    for var, w in zip(engine.model.trainable_variables, engine.weights[d]):
-        var.assign(w[i])
-    for var, s, f in zip(engine.model.non_trainable_variables, engine.states[d], engine._float_state):
-        if f:
-            var.assign(s[i])
+    engine.state.write_learner_to(engine.model, j)
 
 
 def recompute_batchnorm(model, batches):

@@ -1,4 +1,5 @@
 """The epoch loop: feed iterations to the engine, evaluate z, record results."""
+import dataclasses
 import math
 import signal
 import time
@@ -52,11 +53,30 @@ def batchnorm_batches(data, batch_size, count, seed):
     return (x for x, _ in ds.batch(batch_size))
 
 
-def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target_accuracy=None,
-          stop_at_target=True, eval_batch_size=500, shuffle=True, log=print, learner_diagnostics=True,
-          collapse_epochs=2, batchnorm_eval="averaged", batchnorm_batches_count=8, checkpoints=None,
-          progress=None, on_divergence="stop", max_rollbacks=3, stop_signals=None, on_evaluation=None):
-    """Trains ENGINE on DATA (a DataSource) and evaluates z after every epoch.
+@dataclasses.dataclass
+class TrainOptions:
+    """How ``train`` runs (see its docstring for each)."""
+    seed: int = 0
+    target_accuracy: float = None
+    stop_at_target: bool = True
+    eval_batch_size: int = 500
+    shuffle: bool = True
+    log: object = print
+    learner_diagnostics: bool = True
+    collapse_epochs: int = 2
+    batchnorm_eval: str = "averaged"
+    batchnorm_batches_count: int = 8
+    checkpoints: object = None
+    progress: object = None
+    on_divergence: str = "stop"
+    max_rollbacks: int = 3
+    stop_signals: object = None
+    on_evaluation: object = None
+
+
+def train(engine, data, batch_size, epochs, schedule, results, options=None, **settings):
+    """Trains ENGINE on DATA (a DataSource) and evaluates z after every epoch, as OPTIONS (a
+    TrainOptions; SETTINGS, its fields by name, override it) say.
 
     Returns RESULTS with one evaluation per epoch; wall time counts training only: evaluation is
     excluded, tracing included once (a resumed run's tracing again is excluded and recorded as
@@ -76,14 +96,18 @@ def train(engine, data, batch_size, epochs, schedule, results, *, seed=0, target
     halved, at most MAX_ROLLBACKS times. ON_EVALUATION(evaluation, learning_rate), when given, is
     called with each evaluation recorded (e.g. crossbow_tf.tensorboard.EvaluationWriter).
     """
-    if batchnorm_eval not in BATCHNORM_EVAL:
-        raise ValueError(f"batchnorm_eval: choose one of {', '.join(BATCHNORM_EVAL)}, got {batchnorm_eval!r}")
-    run = _Run(engine, data, batch_size, epochs, schedule, results, seed=seed, target_accuracy=target_accuracy,
-               stop_at_target=stop_at_target, eval_batch_size=eval_batch_size, shuffle=shuffle, log=log,
-               learner_diagnostics=learner_diagnostics, collapse_epochs=collapse_epochs,
-               batchnorm_eval=batchnorm_eval, batchnorm_batches_count=batchnorm_batches_count,
-               checkpoints=checkpoints, stop_signals=stop_signals)
-    run.on_evaluation = on_evaluation
+    options = dataclasses.replace(options or TrainOptions(), **settings)
+    if options.batchnorm_eval not in BATCHNORM_EVAL:
+        raise ValueError(f"batchnorm_eval: choose one of {', '.join(BATCHNORM_EVAL)}, got {options.batchnorm_eval!r}")
+    run = _Run(engine, data, batch_size, epochs, schedule, results, options)
+    return _train_with_rollbacks(run, results, options)
+
+
+def _train_with_rollbacks(run, results, options):
+    """RUN's epochs, rolled back to the newest checkpoint on a divergence as OPTIONS say; RESULTS."""
+    checkpoints, progress, stop_signals, log = options.checkpoints, options.progress, options.stop_signals, options.log
+    on_divergence, max_rollbacks = options.on_divergence, options.max_rollbacks
+    run.on_evaluation = options.on_evaluation
     # A run resumed after training began traced its step in the process that trained first, and that
     # time is in its training time: this process's tracing again is restart cost, not training.
     run.retrace_pending = progress is not None and progress.iteration > 0
@@ -155,15 +179,14 @@ class _Run:
     """The epoch loop of ``train``, resumable from any Progress."""
     on_evaluation = None   # train's ON_EVALUATION
 
-    def __init__(self, engine, data, batch_size, epochs, schedule, results, *, seed, target_accuracy,
-                 stop_at_target, eval_batch_size, shuffle, log, learner_diagnostics, collapse_epochs,
-                 batchnorm_eval, batchnorm_batches_count, checkpoints, stop_signals):
+    def __init__(self, engine, data, batch_size, epochs, schedule, results, options):
         self.engine, self.data, self.epochs_total, self.schedule, self.results = engine, data, epochs, schedule, results
-        self.seed, self.target_accuracy, self.stop_at_target = seed, target_accuracy, stop_at_target
-        self.eval_batch_size, self.shuffle, self.log = eval_batch_size, shuffle, log
-        self.learner_diagnostics, self.collapse_epochs = learner_diagnostics, collapse_epochs
-        self.batchnorm_eval, self.batchnorm_batches_count = batchnorm_eval, batchnorm_batches_count
-        self.checkpoints, self.stop_signals = checkpoints, stop_signals
+        o = options
+        self.seed, self.target_accuracy, self.stop_at_target = o.seed, o.target_accuracy, o.stop_at_target
+        self.eval_batch_size, self.shuffle, self.log = o.eval_batch_size, o.shuffle, o.log
+        self.learner_diagnostics, self.collapse_epochs = o.learner_diagnostics, o.collapse_epochs
+        self.batchnorm_eval, self.batchnorm_batches_count = o.batchnorm_eval, o.batchnorm_batches_count
+        self.checkpoints, self.stop_signals = o.checkpoints, o.stop_signals
         self.global_batch = engine.num_learners * batch_size
         self.per_epoch = iterations_per_epoch(data.train.size, self.global_batch)
         engine.iterations_per_epoch = self.per_epoch   # post-local SGD's switch is counted in epochs

@@ -20,7 +20,7 @@ from keras import tree
 
 from crossbow_tf.algorithms import ALGORITHMS, Rule   # the registry: every rule there is a name use_sma takes
 from crossbow_tf.distribute.strategy import CrossbowStrategy
-from crossbow_tf.engine.core import Engine
+from crossbow_tf.engine.core import XLA_ERRORS, Engine
 from crossbow_tf.engine.optimizers import check_noise_matching, is_momentum_sgd, learner_optimizer
 from crossbow_tf.engine.replicated import ReplicatedLearners
 from crossbow_tf.errors import DamagedFile
@@ -156,6 +156,35 @@ def reset_rule(algorithm, optimizer, setting="auto"):
                    "pass reset_on_lr_drop=True to reset whenever the rate falls)")
 
 
+def _checked_model_and_strategy(model, strategy, per_learner_batch):
+    """use_sma's STRATEGY (default: one learner per device of CrossbowStrategy()), after checking it,
+    MODEL and PER_LEARNER_BATCH."""
+    if strategy is None:
+        strategy = CrossbowStrategy()
+    if not isinstance(strategy, CrossbowStrategy):
+        raise ValueError(f"strategy must be a crossbow_tf.CrossbowStrategy, got {type(strategy).__name__}")
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"use_sma needs a keras.Model, got {type(model).__name__}")
+    if model.built and not model.trainable_variables:
+        raise ValueError(f"model {model.name!r} has no trainable weights")
+    if not isinstance(per_learner_batch, bool):
+        raise ValueError(f"per_learner_batch must be True or False, got {per_learner_batch!r}")
+    if not getattr(model, "compiled", False):
+        raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
+                         "loss=...) first")
+    return strategy
+
+
+def _unwrapped_optimizer(optimizer):
+    """(the learners' optimizer, the Engine's loss-scale options) of a compiled OPTIMIZER."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer, {}
+    # What Keras's compile puts around the optimizer under mixed_float16: the engine scales every
+    # learner's loss with its rules, and the learners take the inner optimizer's steps.
+    return optimizer.inner_optimizer, dict(loss_scale=True, initial_scale=float(optimizer.initial_scale),
+                                           dynamic_growth_steps=int(optimizer.dynamic_growth_steps))
+
+
 def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_momentum=None, weight_decay=None,
             reset_on_lr_drop="auto", jit_compile=False, learners=None, per_learner_batch=False,
             learning_rate_scale=1.0, noise_matching="auto"):
@@ -203,26 +232,8 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
         (crossbow_tf.algorithms.noise_matching, docs/keras.md). True: on (refused where it does not
         apply); False: the learners take exactly the compiled optimizer's steps.
     """
-    if strategy is None:
-        strategy = CrossbowStrategy()
-    if not isinstance(strategy, CrossbowStrategy):
-        raise ValueError(f"strategy must be a crossbow_tf.CrossbowStrategy, got {type(strategy).__name__}")
-    if not isinstance(model, keras.Model):
-        raise ValueError(f"use_sma needs a keras.Model, got {type(model).__name__}")
-    if model.built and not model.trainable_variables:
-        raise ValueError(f"model {model.name!r} has no trainable weights")
-    if not isinstance(per_learner_batch, bool):
-        raise ValueError(f"per_learner_batch must be True or False, got {per_learner_batch!r}")
-    if not getattr(model, "compiled", False):
-        raise ValueError("the model is not compiled: call model.compile(optimizer=keras.optimizers.SGD(...), "
-                         "loss=...) first")
-    optimizer, loss_scale = model.optimizer, {}
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        # What Keras's compile puts around the optimizer under mixed_float16: the engine scales every
-        # learner's loss with its rules, and the learners take the inner optimizer's steps.
-        loss_scale = dict(loss_scale=True, initial_scale=float(optimizer.initial_scale),
-                          dynamic_growth_steps=int(optimizer.dynamic_growth_steps))
-        optimizer = optimizer.inner_optimizer
+    strategy = _checked_model_and_strategy(model, strategy, per_learner_batch)
+    optimizer, loss_scale = _unwrapped_optimizer(model.optimizer)
     rule = algorithm_from_optimizer(optimizer, algorithm, alpha, central_momentum, weight_decay)
     check_compiled_loss(model)
     detach(model)
@@ -385,6 +396,7 @@ class CrossbowTraining:
         learner_lr = lr if self.learning_rate_scale == 1.0 else lr * self.learning_rate_scale
         loss, predictions = self.engine.step_at(model.optimizer.iterations, x_in, y_in, mask, learner_lr)
         self.engine.write_center_to_model()
+        self._scale_to_optimizer()
         model.optimizer.iterations.assign_add(1)
 
         if self._packers is not None:
@@ -516,9 +528,34 @@ class CrossbowTraining:
         saved = model._jit_compile
         model._jit_compile = False
         try:
-            return type(model).make_train_function(model, force=force)
+            function = type(model).make_train_function(model, force=force)
         finally:
             model._jit_compile = saved
+        if self.engine is not None and not self.engine.xla_checked and model.train_function is not None:
+            model.train_function = self._falling_back_without_xla(model.train_function)
+        return function
+
+    def _falling_back_without_xla(self, train_function):
+        """TRAIN_FUNCTION (Keras's) whose first call, where XLA cannot compile the engine's step here,
+        is made again with a train function without XLA, as the engine's own first step does."""
+        engine, model = self.engine, self.model
+
+        def first_call(batches):
+            try:
+                logs = train_function(batches)
+            except XLA_ERRORS as e:
+                # Keras takes the batch from its iterator inside the same graph: an XLA launch that
+                # failed has used it up (a failure while tracing has not).
+                if not engine.fall_back_without_xla(e, "; fit: the failed step's batch may be left out of "
+                                                       "this epoch"):
+                    raise
+                model.train_function = None
+                self.make_train_function()
+                return model.train_function(batches)
+            engine.confirm_xla()
+            model.train_function = train_function
+            return logs
+        return first_call
 
     def _use_global_batch(self, global_batch):
         # The step pads to a static k*b baked into the traced function: a new b needs a new trace.
@@ -549,38 +586,45 @@ class CrossbowTraining:
         states = [v.numpy() for v in model.non_trainable_variables]
         if self.strategy.cluster is not None and from_chief:
             self._adopted_from_chief = True
-            # Every worker adopts the chief's weights (only the chief may have loaded a file).
+            # Every worker adopts the chief's weights and loss scale (only the chief may have loaded a file).
+            scale = self._scale_variables_of_optimizer() or []
             with self.strategy.cluster.guard():
-                arrays = self.strategy.cluster.broadcast_from_chief(current + states)
-            current, states = arrays[:len(current)], arrays[len(current):]
-            for v, a in zip(model.trainable_variables + model.non_trainable_variables, arrays):
+                arrays = self.strategy.cluster.broadcast_from_chief(
+                    current + states + [v.numpy() for v in scale])
+            current, states = arrays[:len(current)], arrays[len(current):len(current) + len(states)]
+            for v, a in zip(model.trainable_variables + model.non_trainable_variables + scale, arrays, strict=True):
                 v.assign(a)
-        center = engine.center_weights()
-        center_states = [s.numpy() for s in engine.center_states[0]]
-        same = all(np.array_equal(a, b) for a, b in zip(current, center)) and all(
-            np.array_equal(a, b) for a, b, f in zip(states, center_states, engine._float_state) if f)
-        if same:
+        self._scale_from_optimizer()
+        if engine.state.center_matches(current, states):
             return False
-        m = self.strategy.learners_per_device
-        for d in range(self.strategy.num_devices):
-            for i, w in enumerate(current):
-                engine.center[d][i].assign(w)
-                engine.center_velocity[d][i].assign(np.zeros_like(w))
-                if engine.weights:
-                    engine.weights[d][i].assign(np.stack([w] * m))
-                    if engine.velocities[d]:
-                        engine.velocities[d][i].assign(np.zeros((m,) + w.shape, w.dtype))
-            for i, (s, f) in enumerate(zip(states, engine._float_state)):
-                if f:
-                    engine.center_states[d][i].assign(s)
-                    engine.states[d][i].assign(np.stack([s] * m))
-        if engine.optimizers is not None:
-            engine.optimizers.restart()
-        for d in range(self.strategy.num_devices):   # noise matching's statistics, of the old weights
-            for v in engine.noise_variables(d):
-                v.assign(tf.zeros_like(v))
+        engine.state.assign_center(current, states)   # noise matching's statistics too: of the old weights
         self.previous_lr.assign(0.0)
         return True
+
+    def _scale_variables_of_optimizer(self):
+        """The compiled LossScaleOptimizer's scale and good-step count, or None (not one, or not built)."""
+        optimizer = self.model.optimizer
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not optimizer.built:
+            return None
+        return [optimizer.dynamic_scale, optimizer.step_counter]
+
+    def _scale_to_optimizer(self):
+        """The engine's loss scale mirrored in the compiled LossScaleOptimizer's variables after every
+        step, so that Keras's weight files (save_weights, ModelCheckpoint, BackupAndRestore) hold it."""
+        keras_variables = self._scale_variables_of_optimizer()
+        if keras_variables is None or self.engine.loss_scale is None:
+            return
+        for keras_variable, variable in zip(keras_variables, self.engine.state.scale_variables(), strict=True):
+            keras_variable.assign(tf.cast(variable, keras_variable.dtype))
+
+    def _scale_from_optimizer(self):
+        """The engine's loss scale from the LossScaleOptimizer's variables: the same unless a weights
+        file was loaded into them since the last step."""
+        keras_variables = self._scale_variables_of_optimizer()
+        if keras_variables is None or self.engine.loss_scale is None:
+            return
+        for keras_variable, variable in zip(keras_variables, self.engine.state.scale_variables(), strict=True):
+            variable.assign(tf.cast(keras_variable.value, variable.dtype))
 
     def learner_weights(self):
         """Every learner's trainable weights (list over learners of lists of arrays)."""
@@ -591,10 +635,7 @@ class CrossbowTraining:
 
     def state_variables(self):
         """Every variable of the learners and z (all devices), in a fixed order."""
-        e = self._require_engine()
-        groups = (e.center, e.center_velocity, e.center_states, e.weights, e.velocities, e.states, e.optimizer_states,
-                  [e.noise_variables(d) for d in range(self.strategy.num_devices)])
-        return [v for group in groups for per_device in group for v in per_device] + [self.previous_lr, self.resets]
+        return self._require_engine().state.variables() + [self.previous_lr, self.resets]
 
     def save_state(self, path):
         """Writes the learners and z to PATH atomically: a crash leaves the previous file or the new one."""
@@ -613,7 +654,7 @@ class CrossbowTraining:
         if len(arrays) != len(variables) or any(a.shape != tuple(v.shape) for a, v in zip(arrays, variables)):
             warnings.warn(f"{path} does not match this model and strategy; learners restart from the model's weights")
             return False
-        saved_center = arrays[:len(self.engine.center[0])]
+        saved_center = arrays[:len(self.model.trainable_variables)]   # z of the first device comes first
         if not all(np.array_equal(a, v.numpy()) for a, v in zip(saved_center, self.model.trainable_variables)):
             warnings.warn(f"{path} belongs to other weights than the ones just loaded; learners restart from them")
             return False
