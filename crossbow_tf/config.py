@@ -412,9 +412,9 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
 def check_engine_precision(c):
-    """Raises ConfigError when C's precision cannot train through crossbow's engine: mixed_float16's
-    loss scaling runs on one worker; across the several workers of a TF_CONFIG it is not supported yet."""
-    refused = policy.precision_refused(c.precision, _tf_config_workers())
+    """Raises ConfigError when C's precision cannot train C's rule through crossbow's engine on the
+    workers of its TF_CONFIG (policy.precision_refused)."""
+    refused = policy.precision_refused(c.precision, _tf_config_workers(), make_rule(c.algorithm))
     if refused:
         raise ConfigError(f"precision: {refused}; train on one worker, or use mixed_bfloat16 or float32")
 

@@ -193,13 +193,8 @@ def _run(cfg, devices, log, resume_point, stop_signals, cluster):
         from crossbow_tf.tensorboard import EvaluationWriter
         tensorboard = EvaluationWriter(cfg.tensorboard)
     start = time.perf_counter()
-    train(engine, data, cfg.batch_size, cfg.epochs, schedule, results, seed=cfg.seed,
-          target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
-          eval_batch_size=cfg.eval_batch_size, log=log, learner_diagnostics=cfg.learner_diagnostics,
-          collapse_epochs=cfg.collapse_epochs, batchnorm_eval=cfg.batchnorm_eval,
-          batchnorm_batches_count=cfg.batchnorm_batches, checkpoints=checkpoints, progress=progress,
-          on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks, stop_signals=stop_signals,
-          on_evaluation=tensorboard)
+    train(engine, data, cfg.batch_size, cfg.epochs, schedule, results,
+          _train_options(cfg, log, checkpoints, progress, stop_signals, tensorboard))
     results.extra["total_time"] = time.perf_counter() - start
     if cluster is not None:   # per iteration: compute, waits in the all-reduce, bytes sent per worker
         results.extra["cross_worker"] = cross_worker_figures(results, progress)
@@ -273,6 +268,17 @@ def _results(cfg, engine, strategy, cluster, tuning):
     if tuning is not None:
         results.extra["autotune"] = tuning.to_dict()
     return results
+
+
+def _train_options(cfg, log, checkpoints, progress, stop_signals, on_evaluation):
+    """The trainer's TrainOptions of CFG, with this run's log, checkpoints and resume point."""
+    from crossbow_tf.engine.trainer import TrainOptions
+    return TrainOptions(seed=cfg.seed, target_accuracy=cfg.target_accuracy, stop_at_target=cfg.stop_at_target,
+                        eval_batch_size=cfg.eval_batch_size, log=log, learner_diagnostics=cfg.learner_diagnostics,
+                        collapse_epochs=cfg.collapse_epochs, batchnorm_eval=cfg.batchnorm_eval,
+                        batchnorm_batches_count=cfg.batchnorm_batches, checkpoints=checkpoints, progress=progress,
+                        on_divergence=cfg.on_divergence, max_rollbacks=cfg.max_rollbacks,
+                        stop_signals=stop_signals, on_evaluation=on_evaluation)
 
 
 def _checkpoints(cfg, engine, strategy):

@@ -22,7 +22,13 @@ def check_writable(path, *, force=False, what="output file"):
         raise OutputError(f"{path}: is a directory; give the {what} a file name")
     if os.path.lexists(path) and not force:
         raise OutputError(f"{path}: {what} exists; choose a new name or pass --force")
-    parent = os.path.dirname(os.path.abspath(path))
+    check_creatable(path, os.path.dirname(os.path.abspath(path)), what)
+
+
+def check_creatable(path, start, what):
+    """Raises OutputError unless the nearest existing folder at or above START (where PATH, the WHAT,
+    would be made) is a folder this process may write in."""
+    parent = start
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):

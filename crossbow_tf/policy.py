@@ -48,13 +48,16 @@ def noise_matching_on(setting, adaptive, rule):
     return setting is True or (setting == "auto" and noise_matching_excluded(adaptive, rule) is None)
 
 
-MIXED_FLOAT16_WORKERS = ("mixed_float16 (loss scaling) across several workers is not supported yet")
+MIXED_FLOAT16_WORKERS = ("mixed_float16 (loss scaling) across several workers needs a rule that synchronises "
+                         "every iteration (no sync period or local_after_epochs): every worker skips an "
+                         "overflowing iteration together by the flag in its all-reduce")
 
 
-def precision_refused(precision, workers):
-    """Why PRECISION cannot train through the engine on WORKERS workers, or None: mixed_float16's
-    loss scaling runs on one worker only."""
-    if precision == "mixed_float16" and workers > 1:
+def precision_refused(precision, workers, rule):
+    """Why PRECISION cannot train RULE through the engine on WORKERS workers, or None: across workers,
+    every worker skips an overflowing iteration together only where that iteration's all-reduce
+    carries the flags; a local step has none, and the workers' loss scales would part."""
+    if precision == "mixed_float16" and workers > 1 and not rule.synchronises_every_iteration:
         return MIXED_FLOAT16_WORKERS
     return None
 

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 
-from crossbow_tf.files import OutputError
+from crossbow_tf.files import OutputError, check_creatable
 
 # Evaluation keys (crossbow_tf.results) and their tags.
 SCALARS = {
@@ -34,13 +34,7 @@ def check_logdir(path):
     """Raises OutputError unless PATH is a folder, or one can be made there (nothing is created)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise OutputError(f"{path}: the TensorBoard folder is a file; give a folder")
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise OutputError(f"{path}: cannot create the TensorBoard folder: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{path}: cannot write the TensorBoard folder: no permission in {parent}")
+    check_creatable(path, os.path.abspath(path), "TensorBoard folder")
 
 
 class EvaluationWriter:

@@ -184,7 +184,7 @@ def train_engine(strategy, data, args, out, rule, options, lr, resume=False):
         losses += _train(strategy, engine, batches[stop:], lr)
     x, y, mask, *count = batches[-1]
     local = (_collectives_per_step(engine, x, y, mask, *count, step=engine._local_step)
-             if engine.algorithm.synchronisation_period > 1 else -1)
+             if engine.algorithm.sync_period > 1 else -1)
     save(out + ".npz", engine.center_weights(), [s.numpy() for s in engine.center_states[0]], losses,
          collectives=_collectives_per_step(engine, x, y, mask, *count), local_collectives=local)
     _save_learners(engine, out)

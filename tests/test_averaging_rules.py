@@ -257,21 +257,21 @@ def test_the_study_runs_fall_where_the_bound_says():
 def test_the_guard_refuses_at_and_past_the_bound_and_names_it():
     k = 32
     edge = largest_stable_alpha(k, 0.9)
-    SMA(alpha=edge * 0.999).resolve(k)                      # just below: accepted
+    SMA(alpha=edge * 0.999).for_learners(k)                      # just below: accepted
     with pytest.raises(ValueError, match=r"SMA: the central loop is unstable: its central step k\*alpha = "
                                          r"32\*0\.115 = 3\.68 is at or past the bound \(1 \+ mu_z\)\(2 - alpha\) = "
                                          r"3\.581 .*largest stable alpha for k=32 is just below 0\.1121"):
-        SMA(alpha=0.115).resolve(k)
+        SMA(alpha=0.115).for_learners(k)
     with pytest.raises(ValueError, match="unstable"):
-        SMA(alpha=edge).resolve(k)                          # at the bound (within rounding): refused
+        SMA(alpha=edge).for_learners(k)                          # at the bound (within rounding): refused
     beta_edge = central_loop_bound(0.3, 0.9)
-    SMA(alpha=0.3, central_step=beta_edge * 0.999).resolve(k)
+    SMA(alpha=0.3, central_step=beta_edge * 0.999).for_learners(k)
     with pytest.raises(ValueError, match=r"central step beta = 3\.23 is at or past.*largest stable central_step "
                                          r"for alpha 0\.3 is just below 3\.23"):
-        SMA(alpha=0.3, central_step=beta_edge).resolve(k)
+        SMA(alpha=0.3, central_step=beta_edge).for_learners(k)
     with pytest.raises(ValueError, match=r"EASGD: .*no central momentum"):
-        ElasticAveragingSGD(alpha=0.1).resolve(k)
-    assert SMA(alpha=0.115, allow_unstable=True).resolve(k).alpha == 0.115
+        ElasticAveragingSGD(alpha=0.1).for_learners(k)
+    assert SMA(alpha=0.115, allow_unstable=True).for_learners(k).alpha == 0.115
     with pytest.raises(ValueError, match="unstable"):
         Engine(small_mlp(), LOSS, SMA(alpha=0.7), CrossbowStrategy(devices=["/CPU:0"], learners_per_device=4))
 

@@ -60,15 +60,22 @@ def assert_same_training(factory, input_shape, num_classes, devices, **kw):
     assert isinstance(replicated.learners, ReplicatedLearners)
     assert abs(loss_f - loss_r) < 1e-5
     initial = fused.initial_weights
-    moved = False
-    for a, b in zip(fused.center_weights(), replicated.center_weights(), strict=True):
+    steps = kw.get("steps", 3)
+    z_moved = False
+    for a, b, w0 in zip(fused.center_weights(), replicated.center_weights(), initial, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        z_moved = z_moved or np.abs(a - w0).max() > 1e-3
+    # z cannot move in SMA's first iteration (it follows the corrections one iteration later): at one
+    # step the learners carry the comparison, and most of their tensors must move well past it.
+    assert z_moved == (steps > 1)
+    moved, compared = 0, 0
     for la, lb in zip(fused.learner_weights(), replicated.learner_weights(), strict=True):
         for a, b, w0 in zip(la, lb, initial, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-            moved = moved or np.abs(a - w0).max() > 1e-3
-    # The comparison means something only if training moved the weights well beyond the tolerance.
-    assert moved
+            moved += np.abs(a - w0).max() > 1e-4   # 10x the tolerance
+            compared += 1
+    assert compared == len(initial) * fused.num_learners
+    assert moved > compared / 2, f"only {moved} of {compared} learner tensors moved past 10x the tolerance"
     for a, b in zip(states_f, states_r, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 

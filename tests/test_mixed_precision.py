@@ -208,19 +208,23 @@ def test_tf_ssgd_runs_as_a_keras_user_runs_it(tmp_path, capsys, policy, optimize
 
 def test_mixed_float16_passes_for_engine_methods_and_is_refused_across_workers_in_one_line(
         tmp_path, capsys, monkeypatch):
-    from baselines.crossbow_ssgd import main as crossbow_ssgd
     from crossbow_tf.run import main as run
     cfg = write(tmp_path / "c.yaml", experiment())
     assert run(["--config", cfg, "--precision", "mixed_float16", "--check"]) == 0
     capsys.readouterr()
-    # Loss scaling runs on one worker: several workers under TF_CONFIG are refused before any training.
+    # Across the workers of a TF_CONFIG, a rule that synchronises every iteration carries every
+    # worker's overflow flag in its all-reduce; a periodic rule (local steps: no all-reduce) is refused
+    # before any training.
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
                                                 "task": {"type": "worker", "index": 0}}))
-    for main, args, prog in ((run, ["--check"], "crossbow_tf"), (crossbow_ssgd, [], "python -m baselines.crossbow_ssgd")):
-        assert main(["--config", cfg, "--precision", "mixed_float16", *args]) == 2
+    assert run(["--config", cfg, "--precision", "mixed_float16", "--check"]) == 0
+    capsys.readouterr()
+    periodic = write(tmp_path / "periodic.yaml", experiment(algorithm={"name": "sma", "sync_period": 4}))
+    for args in (["--check"], []):
+        assert run(["--config", periodic, "--precision", "mixed_float16", *args]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error:")
-        assert "mixed_float16 (loss scaling) across several workers is not supported yet" in err
+        assert len(err.splitlines()) == 1 and err.startswith("crossbow_tf: error:"), err
+        assert "mixed_float16 (loss scaling) across several workers needs a rule that synchronises every" in err
     monkeypatch.delenv("TF_CONFIG")
     with pytest.raises(SystemExit) as stop:
         run(["--config", cfg, "--precision", "float8"])

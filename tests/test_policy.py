@@ -11,7 +11,7 @@ def test_policy_and_config_decide_without_tensorflow():
             "from crossbow_tf import config, policy\n"
             "c = config.from_dict({'optimizer': {'name': 'adam'}, 'algorithm': {'name': 'easgd'}})\n"
             "assert config.noise_matching_on(c)\n"
-            "assert policy.precision_refused('mixed_float16', 2)\n"
+            "assert policy.precision_refused('mixed_float16', 2, config.make_rule(c.algorithm)) is None\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -40,8 +40,13 @@ def test_the_optimizer_lists_are_the_signature_tables_and_the_engines():
 
 
 def test_precision_and_divergence():
-    assert policy.precision_refused("mixed_float16", 1) is None
-    assert [policy.precision_refused(p, 3) is None for p in ("float32", "mixed_bfloat16", "mixed_float16")] == [
-        True, True, False]
+    periodic = [SMA(sync_period=2), ElasticAveragingSGD(sync_period=3), LocalSGD(period=4),
+                LocalSGD(local_after_epochs=1)]
+    assert all(policy.precision_refused("mixed_float16", 1, rule) is None for rule in periodic)
+    assert [policy.precision_refused(p, 3, periodic[0]) is None for p in ("float32", "mixed_bfloat16", "mixed_float16")
+            ] == [True, True, False]
+    assert all(policy.precision_refused("mixed_float16", 3, rule) == policy.MIXED_FLOAT16_WORKERS for rule in periodic)
+    assert all(policy.precision_refused("mixed_float16", 3, rule) is None
+               for rule in (SMA(), ElasticAveragingSGD(), LocalSGD(), SynchronousSGD()))
     assert policy.divergence_refused("rollback", None) == policy.ROLLBACK_NEEDS_CHECKPOINTS
     assert policy.divergence_refused("rollback", "ckpt") is None and policy.divergence_refused("stop", None) is None

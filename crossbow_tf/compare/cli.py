@@ -69,17 +69,19 @@ def build(args):
         section["methods"] = {m: methods[m] for m in args.methods}
     overridden = any(v is not None for v in (args.budget, args.search_seeds, args.seeds, args.epochs, args.methods))
     where = f"{args.config} (with command-line overrides)" if overridden else args.config
+    sweeps = sections["sweep"] and not args.no_sweep
+    gpus = trial_gpus(args.parallel, args.gpus_per_trial) if sweeps else None
     try:
         spec = parse_compare(section, experiment)
         plan = plan_compare(spec, experiment, sections)
         sweep_spec = sweep_plan = None
-        if sections["sweep"] and not args.no_sweep:
+        if sweeps:
             if is_study(sections["sweep"]):
                 raise ConfigError("the sweep: section is a study (series:): run it with crossbow-reproduce, "
                                   "or pass --no-sweep")
             sweep_section = dict(sections["sweep"], **({"epochs": args.epochs} if args.epochs else {}))
             sweep_spec = parse_sweep(sweep_section, experiment)
-            sweep_plan = plan_sweep(sweep_spec, experiment, sections, gpus=trial_gpus(args.parallel, args.gpus_per_trial))
+            sweep_plan = plan_sweep(sweep_spec, experiment, sections, gpus=gpus)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return experiment, sections, spec, plan, sweep_spec, sweep_plan

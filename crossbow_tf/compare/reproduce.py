@@ -61,9 +61,10 @@ def build(args):
     section = sections["sweep"]
     if not is_study(section):
         raise ConfigError(f"{args.config}: the sweep: section has no series: mapping (see crossbow_tf/compare/plan.py)")
+    gpus = trial_gpus(args.parallel, args.gpus_per_trial)
     try:
         spec = parse_study(section, experiment)
-        cells = plan_study(spec, experiment, sections, gpus=trial_gpus(args.parallel, args.gpus_per_trial))
+        cells = plan_study(spec, experiment, sections, gpus=gpus)
     except ConfigError as e:
         raise ConfigError(f"{args.config}: {e}") from None
     if args.bench_rounds < 1 or args.bench_examples < 1 or args.bn_epochs < 1:

@@ -72,9 +72,10 @@ def build(args):
             part = section.get(sub)
             section[sub] = dict(part if isinstance(part, dict) else {}, **{key: value})
             overridden = True
+    gpus = trial_gpus(args.parallel, args.gpus_per_trial)
     try:
         spec = parse_sweep(section, experiment)
-        return experiment, spec, plan_sweep(spec, experiment, sections, gpus=trial_gpus(args.parallel, args.gpus_per_trial))
+        return experiment, spec, plan_sweep(spec, experiment, sections, gpus=gpus)
     except ConfigError as e:
         raise ConfigError(f"{args.config}{' (with command-line overrides)' if overridden else ''}: {e}") from None
 

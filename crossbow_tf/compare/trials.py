@@ -400,8 +400,7 @@ def make_slots(parallel, gpus_per_trial=None):
     share) through CUDA_VISIBLE_DEVICES; on CPUs, its share of the cores (CPU affinity and
     TensorFlow's intra- and inter-op thread counts), the config's logical devices made inside it.
     One slot (the default) changes nothing: the run gets the machine, as before."""
-    if parallel < 1:
-        raise ConfigError(f"--parallel: expected at least 1, got {parallel}")
+    check_counts(parallel, gpus_per_trial)
     gpus = visible_gpus()
     if gpus:
         per = gpus_per_trial or max(1, len(gpus) // parallel)
@@ -458,16 +457,21 @@ def add_arguments(parser):
                         help="GPUs each trial is pinned to with --parallel (default: an equal share)")
 
 
+def check_counts(parallel, gpus_per_trial=None, heartbeat=None):
+    """Raises ConfigError naming the flag and value when --parallel, --heartbeat or --gpus-per-trial is
+    below 1 (None: not given)."""
+    for flag, value in (("--parallel", parallel), ("--heartbeat", heartbeat), ("--gpus-per-trial", gpus_per_trial)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+
+
 def options(args, out):
     """Options of ARGS for the study in OUT; a bad combination is a ConfigError (exit 2)."""
     if args.worker and not args.storage:
         raise ConfigError("--worker joins the study of a shared --storage URL; pass --storage")
     if args.worker and getattr(args, "force", False):
         raise ConfigError("--worker cannot be combined with --force (a worker never empties the report directory)")
-    for flag, value in (("--parallel", args.parallel), ("--heartbeat", args.heartbeat),
-                        ("--gpus-per-trial", args.gpus_per_trial)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    check_counts(args.parallel, args.gpus_per_trial, args.heartbeat)
     return Options(storage=args.storage, name=args.study_name or default_name(out, getattr(args, "config", None)),
                    worker=args.worker, parallel=args.parallel, heartbeat=args.heartbeat,
                    gpus_per_trial=args.gpus_per_trial, replan=bool(getattr(args, "resume", False)) and not args.worker)

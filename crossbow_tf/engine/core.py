@@ -7,7 +7,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from crossbow_tf.algorithms import noise_matching
+from crossbow_tf import policy
+from crossbow_tf.algorithms import Rule, noise_matching
 from crossbow_tf.distribute.cross_worker import CrossWorkerReduction
 from crossbow_tf.distribute.reduce import all_reduce_sum
 from crossbow_tf.engine.fused import make_learners
@@ -118,7 +119,7 @@ def _check_optimizer_with_rule(optimizer, algorithm):
                          f"step: give {type(algorithm).__name__} momentum=0.0 (the rule's "
                          f"momentum={algorithm.momentum} would be unused; {type(optimizer).__name__}'s own "
                          "momentum options apply)")
-    if not algorithm.gradient_at_center and not hasattr(algorithm, "correct"):
+    if not algorithm.follows_keras_optimizer:
         raise ValueError(f"Engine: {type(algorithm).__name__} has no correct() to follow a Keras "
                          "optimizer's step")
 
@@ -130,14 +131,10 @@ def _check_loss_scale_options(initial_scale, dynamic_growth_steps, strategy, alg
     if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) \
             or dynamic_growth_steps < 1:
         raise ValueError(f"Engine: dynamic_growth_steps must be an integer >= 1, got {dynamic_growth_steps!r}")
-    if strategy.cluster is not None and (algorithm.synchronisation_period != 1
-                                         or getattr(algorithm, "local_after_epochs", None) is not None):
-        # Every worker skips an overflowing iteration together only where the iteration's all-reduce
-        # carries the flags; a local step has none, and the workers' scales would part.
+    refused = policy.precision_refused("mixed_float16", strategy.num_workers, algorithm)
+    if refused:
         from crossbow_tf.errors import ConfigError
-        raise ConfigError("loss scaling (mixed_float16) across several workers needs a rule that synchronises "
-                          "every iteration (no sync period or local_after_epochs): every worker skips an "
-                          "overflowing iteration together by the flag in its all-reduce")
+        raise ConfigError(f"loss scaling: {refused}")
 
 
 class _Held:
@@ -207,7 +204,7 @@ class Engine:
         self.model = model
         self.strategy = strategy
         self._host = _host_of(strategy.devices[0])
-        self.algorithm = algorithm.resolve(strategy.num_learners)
+        self.algorithm = algorithm.for_learners(strategy.num_learners)
         self.reset_on_lr_drop = reset_on_lr_drop and self.algorithm.reset_on_lr_drop
         self._previous_lr = None          # the learning rate of the last train_step
         self._learners_at_center = True   # no step since the learners were last set to z
@@ -245,7 +242,7 @@ class Engine:
             raise TypeError(f"Engine: model must be a keras.Model, got {type(model).__name__}")
         if not isinstance(strategy, CrossbowStrategy):
             raise TypeError(f"Engine: strategy must be a crossbow_tf.CrossbowStrategy, got {type(strategy).__name__}")
-        if not (hasattr(algorithm, "resolve") and hasattr(algorithm, "local")):
+        if not isinstance(algorithm, Rule):
             raise TypeError(f"Engine: algorithm must be an update rule such as crossbow_tf.algorithms.SMA(), "
                             f"got {algorithm!r}")
         if isinstance(learners, str) and learners not in ("auto", "fused", "replicated"):
@@ -387,7 +384,7 @@ class Engine:
         function): the synchronising step, or for a rule with a period H > 1 a tf.cond between it and
         the local step, on (ITERATION + 1) % H == 0. Only the branch taken runs, so a local iteration
         runs no collective."""
-        period = self.algorithm.synchronisation_period
+        period = self.algorithm.sync_period
         if period == 1:
             return self._step(x, y, mask, lr, total_count)
         # fit refuses post-local SGD, the one rule whose choice needs the epoch length.

@@ -133,7 +133,7 @@ def _steps_of(schedule):
     return None
 
 
-def reset_rule(algorithm, optimizer, setting="auto"):
+def reset_decision(algorithm, optimizer, setting="auto"):
     """(whether learners restart from z when the rate falls, one line saying when) for ALGORITHM
     trained with OPTIMIZER's learning rate under SETTING ("auto", True or False, see use_sma)."""
     if not algorithm.reset_on_lr_drop:
@@ -303,11 +303,11 @@ class CrossbowTraining:
         self._engine_options["noise_matching"] = noise_matching
         self._engine_options.update(loss_scale or {})   # Engine's loss_scale options, from a LossScaleOptimizer
         self.engine = None
-        self.algorithm = algorithm.resolve(strategy.num_learners)
+        self.algorithm = algorithm.for_learners(strategy.num_learners)
         if model.built:
             self._build_engine()
         self.reset_setting = reset_on_lr_drop
-        self.reset_on_lr_drop, self.reset_rule = reset_rule(self.algorithm, model.optimizer, reset_on_lr_drop)
+        self.reset_on_lr_drop, self.reset_notice = reset_decision(self.algorithm, model.optimizer, reset_on_lr_drop)
         # 0 means "no iteration yet": a learning rate is never below it, so the first step never resets.
         self.previous_lr = tf.Variable(0.0, trainable=False, name="crossbow_previous_lr")
         self.resets = tf.Variable(0, dtype=tf.int64, trainable=False, name="crossbow_resets")
@@ -478,13 +478,13 @@ class CrossbowTraining:
         data = data_lib.plan(x, y, sample_weight, batch_size, k, self.per_learner_batch,
                              steps_per_epoch=steps_per_epoch, validation_split=validation_split)
         self.build_on(data.first_batch)
-        self._resolve_reset_rule()
+        self._resolve_reset_decision()
         self._use_global_batch(data.global_batch)
         if verbose != 0:
             steps = "an unknown number of" if data.steps_per_epoch is None else data.steps_per_epoch
             print(f"crossbow_tf: {k} learners x {data.per_learner} examples = {data.global_batch} per step, "
                   f"{steps} steps per epoch", flush=True)
-            print(f"crossbow_tf: {self.reset_rule}", flush=True)
+            print(f"crossbow_tf: {self.reset_notice}", flush=True)
         if self.per_learner_batch and validation_batch_size is None:
             # Validation runs in the batch the user chose, as the progress and on_test_batch_* hooks expect.
             validation_batch_size = data.per_learner
@@ -511,7 +511,7 @@ class CrossbowTraining:
         """One iteration on a global batch of x (cut into k slices, padded to a multiple of k)."""
         self._check_optimizer_unchanged()
         self.build_on((x, y, sample_weight))
-        self._resolve_reset_rule()
+        self._resolve_reset_decision()
         n = len(tree.flatten(x)[0])
         self._use_global_batch(self.num_learners * math.ceil(n / self.num_learners))
         # Across workers, the chief's weights are broadcast at the first call only: a broadcast per
@@ -564,9 +564,9 @@ class CrossbowTraining:
             self._traced_batch = global_batch
         self.global_batch = global_batch
 
-    def _resolve_reset_rule(self):
+    def _resolve_reset_decision(self):
         # The rule is baked into the traced step; a schedule swapped in since needs a new trace.
-        reset, self.reset_rule = reset_rule(self.algorithm, self.model.optimizer, self.reset_setting)
+        reset, self.reset_notice = reset_decision(self.algorithm, self.model.optimizer, self.reset_setting)
         if reset != self.reset_on_lr_drop:
             self.reset_on_lr_drop = reset
             self.model.train_function = None
