@@ -19,15 +19,14 @@ import sys
 from crossbow_tf import cli
 from crossbow_tf.compare.plan import count_compare_runs, describe, plan_compare, plan_sweep, trial_gpus
 from crossbow_tf.compare.plots import plot_curves, plot_sweep
-from crossbow_tf.compare.report import (check_report_dir, command_line, compare_markdown, copy_config, header_markdown,
-                                        load_curves, markdown_table, software_line, sweep_markdown, sweep_series,
-                                        write_json)
-from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.runner import check_study, machine_info, open_study, run_compare, run_sweep, Runner
+from crossbow_tf.compare import command, trials as trials_lib
+from crossbow_tf.compare.report import (command_line, compare_markdown, header_markdown, load_curves, software_line,
+                                        sweep_markdown, sweep_series)
+from crossbow_tf.compare.runner import machine_info, run_compare, run_sweep, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_compare, parse_sweep
 from crossbow_tf.compare.stats import compare_rows, tta_ratio
 from crossbow_tf.errors import ConfigError, CrossbowError
-from crossbow_tf.files import atomic_write_text, recorded_path
+from crossbow_tf.files import recorded_path
 
 
 def parse_args(argv):
@@ -96,58 +95,32 @@ def main(argv=None):
                         "runs/ directory: free the space and rerun with --resume to write the report")
 
 
-def compare(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    cli.quiet_tensorflow(args.verbose)   # the training processes inherit it
-    try:
-        experiment, sections, spec, plan, sweep_spec, sweep_plan = build(args)
-        # Relative to this folder: the runs are given (and so record) paths that name no machine's folders.
-        out = recorded_path(args.out) or os.path.join("reports", experiment.get("name", "experiment"))
-        total = count_compare_runs(spec, plan) + (
-            len(sweep_plan) * len(sweep_spec.seeds) if sweep_plan else 0)
-        if args.dry_run:
-            check_study(args, out)
-            check_report_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
-            for entry, trials in plan:
-                for label, point, _ in trials:
-                    print(f"{entry.name} ({entry.method}) {label}: {describe(dict(entry.fixed, **point))}")
-            for series, g, label, point, _ in sweep_plan or []:
-                print(f"sweep {series} global batch {g} {label}: {describe(point)}")
-            print(f"{total} runs (at most)")
-            return 0
-        study = open_study(args, out)
-        trials_lib.remember_name(study, out)
-    except CrossbowError as e:
-        return cli.fail("compare", e)
-    except OSError as e:   # the report directory cannot be made
-        return cli.fail("compare", f"{e.filename}: {e.strerror}")
+def _dry_run_listing(plan, sweep_plan, total):
+    for entry, trials in plan:
+        for label, point, _ in trials:
+            yield f"{entry.name} ({entry.method}) {label}: {describe(dict(entry.fixed, **point))}"
+    for series, g, label, point, _ in sweep_plan or []:
+        yield f"sweep {series} global batch {g} {label}: {describe(point)}"
+    yield f"{total} runs (at most)"
 
-    copy_config(args.config, out)
-    machine = machine_info()
-    runner = Runner(out, total, resume=True, trials=study)
-    runner.say(f"compare: {len(plan)} methods, {total} runs, report in {out}")
-    try:
-        outcome = run_compare(spec, plan, runner)
-        complete = runner.study.complete()
-        sweep_result = None
-        if sweep_plan:
-            sweep_study = dataclasses.replace(study, name=study.name + ":sweep")
-            sweep_runner = Runner(out, total, resume=True, trials=sweep_study)
-            sweep_runner.done = runner.done
-            sweep_result = run_sweep(sweep_spec, sweep_plan, sweep_runner)
-            complete = complete and sweep_runner.study.complete()
-    except KeyboardInterrupt:
-        print(f"compare: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
-        return 130
-    except CrossbowError as e:   # the storage holds another plan
-        return cli.fail("compare", e)
-    if not complete:
-        print(f"compare: the study is not complete (runs whose workers died too often); rerun with --resume",
-              file=sys.stderr)
-        return 1
-    if args.worker and not trials_lib.claim_report(runner.study, out):
-        runner.say(f"compare: the study is complete; another worker writes the report in {out}")
-        return 0
+
+def _run_all(spec, plan, sweep_spec, sweep_plan, runner, total):
+    """(compare outcome, sweep result or None, whether both studies are complete): the compare runs,
+    then the sweep's in a study of their own that counts on from the compare's."""
+    outcome = run_compare(spec, plan, runner)
+    complete = runner.study.complete()
+    sweep_result = None
+    if sweep_plan:
+        sweep_study = dataclasses.replace(runner.trials, name=runner.trials.name + ":sweep")
+        sweep_runner = Runner(runner.out_dir, total, resume=True, trials=sweep_study)
+        sweep_runner.done = runner.done
+        sweep_result = run_sweep(sweep_spec, sweep_plan, sweep_runner)
+        complete = complete and sweep_runner.study.complete()
+    return outcome, sweep_result, complete
+
+
+def _write_report(args, out, experiment, machine, spec, outcome, sweep_spec, sweep_result):
+    """Writes OUT's report, summary and plots: the failed run records."""
     rows = compare_rows(spec, outcome)
     curves = {name: load_curves(o["final"]) for name, o in outcome.items()}
     plot_curves(curves, spec.target, os.path.join(out, "accuracy_vs_time.png"),
@@ -171,11 +144,39 @@ def compare(argv=None):
                             for series, points in sweep_result.items()}
         records += [r for points in sweep_result.values() for *_, recs in points for r in recs]
     failed = [r for r in records if r.summary is None]
-    if failed:
-        parts += ["", "## Failed runs", "", markdown_table(
-            ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
-    atomic_write_text(os.path.join(out, "report.md"), "\n".join(parts) + "\n")
-    write_json(os.path.join(out, "summary.json"), summary)
+    command.write_report(out, parts + command.failed_runs_lines(failed, out), summary)
+    return rows, failed
+
+
+def compare(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    cli.quiet_tensorflow(args.verbose)   # the training processes inherit it
+    try:
+        experiment, sections, spec, plan, sweep_spec, sweep_plan = build(args)
+        # Relative to this folder: the runs are given (and so record) paths that name no machine's folders.
+        out = recorded_path(args.out) or os.path.join("reports", experiment.get("name", "experiment"))
+        total = count_compare_runs(spec, plan) + (
+            len(sweep_plan) * len(sweep_spec.seeds) if sweep_plan else 0)
+        if args.dry_run:
+            return command.dry_run(args, out, _dry_run_listing(plan, sweep_plan, total))
+        study = command.open_named_study(args, out)
+    except CrossbowError as e:
+        return cli.fail("compare", e)
+    except OSError as e:   # the report directory cannot be made
+        return cli.fail("compare", f"{e.filename}: {e.strerror}")
+
+    machine, runner = command.start(args, out, total, study)
+    runner.say(f"compare: {len(plan)} methods, {total} runs, report in {out}")
+    try:
+        outcome, sweep_result, complete = _run_all(spec, plan, sweep_spec, sweep_plan, runner, total)
+    except KeyboardInterrupt:
+        return command.interrupted("compare", out)
+    except CrossbowError as e:   # the storage holds another plan
+        return cli.fail("compare", e)
+    stop = command.stop_before_report("compare", args, runner, out, complete)
+    if stop is not None:
+        return stop
+    rows, failed = _write_report(args, out, experiment, machine, spec, outcome, sweep_spec, sweep_result)
     runner.say("\n" + compare_markdown(spec, rows, outcome).split("### Search trials")[0].strip())
     runner.say(f"\nreport: {os.path.join(out, 'report.md')}")
     if failed:

@@ -200,118 +200,161 @@ def load_bench(out):
     return bench
 
 
+INF = float("inf")
+
+
+def _show_epochs(e):
+    return "not reached" if e == INF else ("–" if e is None else f"{e:g}")
+
+
+class _Standings:
+    """The finished cells' epochs and accuracies, read by series group: the tuned S-SGD series, Crossbow's
+    SMA series and every tuned series within Crossbow."""
+
+    def __init__(self, cells, stats):
+        self.stats = stats
+        self.ssgd = list(dict.fromkeys(c.series.name for c in cells
+                                       if c.series.method == "tf_ssgd" and not c.series.untuned))
+        # The paper's claims are about Crossbow's SMA: the methods beyond it have their own verdict row.
+        self.sma = list(dict.fromkeys(c.series.name for c in cells
+                                      if c.series.method == "sma" and not c.series.beyond_crossbow))
+        self.names = sorted({c.series.name for c in cells if not c.series.untuned and not c.series.beyond_crossbow})
+
+    def epochs_of(self, name, g):
+        s = self.stats.get((name, g))
+        if s is None:
+            return None
+        return s["epochs"][0] if s["epochs"][0] is not None else INF
+
+    def best(self, names, g):
+        """(fewest median epochs to target, its series) among NAMES at G ((None, None): none finished)."""
+        values = [(self.epochs_of(n, g), n) for n in names if self.epochs_of(n, g) is not None]
+        return min(values) if values else (None, None)
+
+    def accuracy_at_cap(self, names, g):
+        """ "name median best accuracy [range]" of the series at G that have finished, best first."""
+        stats = self.stats
+        found = sorted(((stats[(n, g)]["best_accuracy"], n) for n in names if stats.get((n, g))
+                        and stats[(n, g)]["best_accuracy"][0] is not None), reverse=True)
+        return ", ".join(f"{n} {fmt_stat(a, 4)}" for a, n in found) or "–"
+
+    def reached_ttas(self, names, g):
+        """[(median TTA, series)] of NAMES at G that reached the target."""
+        stats = self.stats
+        return [(stats[(n, g)]["tta"][0], n) for n in names
+                if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
+
+
+def _ssgd_growth_row(standing, small, large, cap):
+    claim = "S-SGD's epochs to target grow with G (its rate tuned)"
+    s_small, _ = standing.best(standing.ssgd, small)
+    s_large, _ = standing.best(standing.ssgd, large)
+    if s_small is None or s_large is None:
+        return (claim, "not yet measured", f"G={small}: {_show_epochs(s_small)}, G={large}: {_show_epochs(s_large)}",
+                "the study has not finished these points")
+    return (claim, "reproduced" if s_large > s_small else "not reproduced",
+            f"best S-SGD epochs: G={small}: {_show_epochs(s_small)}, G={large}: {_show_epochs(s_large)} (cap {cap})",
+            "linear scaling + warm-up, base rate searched with the same budget as SMA")
+
+
+def _near_small_batch_row(standing, small, large, cap):
+    claim = "SMA's epochs stay near small-batch training at large G"
+    ref, ref_name = standing.best(standing.names, small)
+    m_large, m_name = standing.best(standing.sma, large)
+    if ref is None or m_large is None:
+        return (claim, "not yet measured",
+                f"small-batch reference {_show_epochs(ref)}, SMA at G={large}: {_show_epochs(m_large)}",
+                "points not finished")
+    s_large, _ = standing.best(standing.ssgd, large)
+    at_cap = (f"; best accuracy in {cap} epochs at G={large}, median [range] over seeds: SMA "
+              f"{standing.accuracy_at_cap(standing.sma, large)}; S-SGD {standing.accuracy_at_cap(standing.ssgd, large)}"
+              if m_large == INF else "")
+    return (claim, "reproduced" if m_large <= NEAR_SMALL_BATCH * ref else "not reproduced",
+            f"SMA at G={large}: {_show_epochs(m_large)} ({m_name if m_large != INF else 'no series'}); "
+            f"small-batch reference (best method at G={small}): {_show_epochs(ref)} epochs ({ref_name}); S-SGD at "
+            f"G={large}: {_show_epochs(s_large)}" + at_cap,
+            f"'near' means at most {NEAR_SMALL_BATCH}x the reference")
+
+
+def _one_model_cost_row(bench, machine, on):
+    claim = "k learners of b cost about one model at k*b"
+    ratios = [(row["sma"] / row["keras_global"], b, g) for (b, g), row in sorted(bench.items())]
+    if not ratios:
+        return (claim, "not yet measured", "–", "bench not run")
+    ok = all(r >= ABOUT_ONE_MODEL for r, _, _ in ratios)
+    return (claim,
+            f"reproduced {on}" if ok else f"not reproduced {on}" + (
+                "" if machine.gpus else "; GPU claim not testable here"),
+            ", ".join(f"b={b} G={g}: {r:.2f}x" for r, b, g in ratios),
+            f"'about' means at least {ABOUT_ONE_MODEL}x Keras's images/s at batch k*b; the paper's argument is "
+            "about GPUs that one small batch leaves idle"
+            + ("" if machine.gpus else ", and there is no GPU here"))
+
+
+def _tta_points(standing, points):
+    """[(G, measured S-SGD/SMA TTA ratio, projected (epochs) ratio, best S-SGD epochs, best SMA epochs)]."""
+    tta = []
+    for g in points:
+        s_tta, m_tta = standing.reached_ttas(standing.ssgd, g), standing.reached_ttas(standing.sma, g)
+        e_s, _ = standing.best(standing.ssgd, g)
+        e_m, _ = standing.best(standing.sma, g)
+        measured = min(s_tta)[0] / min(m_tta)[0] if s_tta and m_tta else None
+        projected = (e_s / e_m if e_s not in (None, INF) and e_m not in (None, INF) else None)
+        tta.append((g, measured, projected, e_s, e_m))
+    return tta
+
+
+def _tta_ratios_text(tta):
+    return "; ".join(f"G={g}: measured S-SGD/SMA {fmt(m)}, projected (epochs ratio) {fmt(p)}"
+                     for g, m, p, _, _ in tta)
+
+
+def _tta_row(spec, cells, standing, tta, machine, on):
+    claim = f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G"
+    stats, large, cap = standing.stats, max(spec.global_batches), spec.epochs
+    ssgd, sma = standing.ssgd, standing.sma
+    have = [t for t in tta if t[1] is not None or t[2] is not None]
+    large_done = all(stats.get((n, large)) and stats[(n, large)]["complete"] for n in ssgd + sma
+                     if any(c.series.name == n and c.global_batch == large for c in cells))
+    if large_done and standing.best(ssgd, large)[0] == INF and standing.best(sma, large)[0] == INF:
+        speed = ", ".join(f"{n} {fmt(stats[(n, large)]['images_per_second'][0], 0)}"
+                          for n in ssgd + sma if stats.get((n, large)))
+        return (claim, f"not reproduced at G={large} {on}; no projection",
+                f"at G={large} neither method reaches {spec.target:.0%} in {cap} epochs; best accuracy, median "
+                f"[range]: SMA {standing.accuracy_at_cap(sma, large)}; S-SGD {standing.accuracy_at_cap(ssgd, large)}; "
+                f"images/s (median): {speed}; elsewhere: {_tta_ratios_text(have) or '–'}",
+                "SMA is not sooner to any accuracy when it ends lower than S-SGD at the cap and each of its "
+                "epochs takes longer; an epochs ratio needs both to reach the target")
+    if not large_done:
+        # Decided by the largest G alone: a ratio there may be missing because a method never reached.
+        return (claim, "not yet measured", _tta_ratios_text(have) or "–",
+                f"the claim is about large G; G={large} has not finished")
+    measured_ok = any(m is not None and m >= CLAIMED_SPEEDUP for _, m, _, _, _ in tta)
+    projected_ok = any(p is not None and p >= CLAIMED_SPEEDUP for _, _, p, _, _ in tta)
+    unreached = [g for g, m, p, e_s, e_m in tta if e_s == INF and e_m not in (None, INF)]
+    verdict_text = (f"reproduced {on}" if measured_ok else f"not reproduced {on}") + (
+        "; projected where half 2 holds: reproduced" if projected_ok or unreached else
+        "; projected where half 2 holds: not reproduced")
+    return (claim, verdict_text,
+            _tta_ratios_text(tta) + (f"; S-SGD never reached the target at G={unreached} while SMA did"
+                                     if unreached else ""),
+            f"measured: median TTA of the best S-SGD over the best SMA series (training time on "
+            f"{machine.described()}); projected: the epochs ratio, what TTA would be where k learners cost "
+            "one model")
+
+
 def verdict(spec, cells, stats, bench, machine=Hardware()):
-    """[(claim, verdict, numbers, reason)] from what has finished, on MACHINE (a Hardware)."""
+    """([(claim, verdict, numbers, reason)], TTA points of _tta_points) from what has finished, on MACHINE
+    (a Hardware)."""
     on = f"on {machine.devices}"
     points = sorted(spec.global_batches)
     small, large = points[0], points[-1]
-    cap = spec.epochs
-
-    def epochs_of(name, g):
-        s = stats.get((name, g))
-        if s is None:
-            return None
-        return s["epochs"][0] if s["epochs"][0] is not None else float("inf")
-
-    ssgd = list(dict.fromkeys(c.series.name for c in cells if c.series.method == "tf_ssgd" and not c.series.untuned))
-    # The paper's claims are about Crossbow's SMA: the methods beyond it have their own verdict row.
-    sma = list(dict.fromkeys(c.series.name for c in cells if c.series.method == "sma" and not c.series.beyond_crossbow))
-    names = sorted({c.series.name for c in cells if not c.series.untuned and not c.series.beyond_crossbow})
-
-    def best(names_, g):
-        values = [(epochs_of(n, g), n) for n in names_ if epochs_of(n, g) is not None]
-        return min(values) if values else (None, None)
-
-    def show(e):
-        return "not reached" if e == float("inf") else ("–" if e is None else f"{e:g}")
-
-    def accuracy_at_cap(names_, g):
-        """ "name median best accuracy [range]" of the series at G that have finished, best first."""
-        found = sorted(((stats[(n, g)]["best_accuracy"], n) for n in names_ if stats.get((n, g))
-                        and stats[(n, g)]["best_accuracy"][0] is not None), reverse=True)
-        return ", ".join(f"{n} {fmt_stat(a, 4)}" for a, n in found) or "–"
-    rows = []
-    s_small, _ = best(ssgd, small)
-    s_large, _ = best(ssgd, large)
-    if s_small is None or s_large is None:
-        rows.append(("S-SGD's epochs to target grow with G (its rate tuned)", "not yet measured",
-                     f"G={small}: {show(s_small)}, G={large}: {show(s_large)}", "the study has not finished these points"))
-    else:
-        grew = s_large > s_small
-        rows.append(("S-SGD's epochs to target grow with G (its rate tuned)", "reproduced" if grew else "not reproduced",
-                     f"best S-SGD epochs: G={small}: {show(s_small)}, G={large}: {show(s_large)} (cap {cap})",
-                     "linear scaling + warm-up, base rate searched with the same budget as SMA"))
-    ref, ref_name = best(names, small)
-    m_large, m_name = best(sma, large)
-    if ref is None or m_large is None:
-        rows.append(("SMA's epochs stay near small-batch training at large G", "not yet measured",
-                     f"small-batch reference {show(ref)}, SMA at G={large}: {show(m_large)}", "points not finished"))
-    else:
-        near = m_large <= NEAR_SMALL_BATCH * ref
-        at_cap = (f"; best accuracy in {cap} epochs at G={large}, median [range] over seeds: SMA "
-                  f"{accuracy_at_cap(sma, large)}; S-SGD {accuracy_at_cap(ssgd, large)}"
-                  if m_large == float("inf") else "")
-        rows.append(("SMA's epochs stay near small-batch training at large G", "reproduced" if near else "not reproduced",
-                     f"SMA at G={large}: {show(m_large)} ({m_name if m_large != float('inf') else 'no series'}); "
-                     f"small-batch reference (best method at G={small}): {show(ref)} epochs ({ref_name}); S-SGD at "
-                     f"G={large}: {show(s_large)}" + at_cap,
-                     f"'near' means at most {NEAR_SMALL_BATCH}x the reference"))
-    ratios = [(row["sma"] / row["keras_global"], b, g) for (b, g), row in sorted(bench.items())]
-    if not ratios:
-        rows.append(("k learners of b cost about one model at k*b", "not yet measured", "–", "bench not run"))
-    else:
-        ok = all(r >= ABOUT_ONE_MODEL for r, _, _ in ratios)
-        rows.append(("k learners of b cost about one model at k*b",
-                     f"reproduced {on}" if ok else f"not reproduced {on}" + (
-                         "" if machine.gpus else "; GPU claim not testable here"),
-                     ", ".join(f"b={b} G={g}: {r:.2f}x" for r, b, g in ratios),
-                     f"'about' means at least {ABOUT_ONE_MODEL}x Keras's images/s at batch k*b; the paper's argument is "
-                     "about GPUs that one small batch leaves idle"
-                     + ("" if machine.gpus else ", and there is no GPU here")))
-    tta = []
-    for g in points:
-        s_tta = [(stats[(n, g)]["tta"][0], n) for n in ssgd if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
-        m_tta = [(stats[(n, g)]["tta"][0], n) for n in sma if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
-        e_s, _ = best(ssgd, g)
-        e_m, _ = best(sma, g)
-        measured = min(s_tta)[0] / min(m_tta)[0] if s_tta and m_tta else None
-        projected = (e_s / e_m if e_s not in (None, float("inf")) and e_m not in (None, float("inf")) else None)
-        tta.append((g, measured, projected, e_s, e_m))
-    have = [t for t in tta if t[1] is not None or t[2] is not None]
-
-    def ratios(points_):
-        return "; ".join(f"G={g}: measured S-SGD/SMA {fmt(m)}, projected (epochs ratio) {fmt(p)}"
-                         for g, m, p, _, _ in points_)
-    large_done = all(stats.get((n, large)) and stats[(n, large)]["complete"] for n in ssgd + sma
-                     if any(c.series.name == n and c.global_batch == large for c in cells))
-    neither = (large_done and best(ssgd, large)[0] == float("inf") and best(sma, large)[0] == float("inf"))
-    if neither:
-        speed = ", ".join(f"{n} {fmt(stats[(n, large)]['images_per_second'][0], 0)}"
-                          for n in ssgd + sma if stats.get((n, large)))
-        rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G",
-                     f"not reproduced at G={large} {on}; no projection",
-                     f"at G={large} neither method reaches {spec.target:.0%} in {cap} epochs; best accuracy, median "
-                     f"[range]: SMA {accuracy_at_cap(sma, large)}; S-SGD {accuracy_at_cap(ssgd, large)}; "
-                     f"images/s (median): {speed}; elsewhere: {ratios(have) or '–'}",
-                     "SMA is not sooner to any accuracy when it ends lower than S-SGD at the cap and each of its "
-                     "epochs takes longer; an epochs ratio needs both to reach the target"))
-    elif not large_done:
-        # Decided by the largest G alone: a ratio there may be missing because a method never reached.
-        rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G", "not yet measured",
-                     ratios(have) or "–", f"the claim is about large G; G={large} has not finished"))
-    else:
-        text = ratios(tta)
-        measured_ok = any(m is not None and m >= CLAIMED_SPEEDUP for _, m, _, _, _ in tta)
-        projected_ok = any(p is not None and p >= CLAIMED_SPEEDUP for _, _, p, _, _ in tta)
-        unreached = [g for g, m, p, e_s, e_m in tta if e_s == float("inf") and e_m not in (None, float("inf"))]
-        verdict_text = (f"reproduced {on}" if measured_ok else f"not reproduced {on}") + (
-            "; projected where half 2 holds: reproduced" if projected_ok or unreached else
-            "; projected where half 2 holds: not reproduced")
-        rows.append((f"TTA {CLAIMED_SPEEDUP}-4x sooner than S-SGD at equal G", verdict_text,
-                     text + (f"; S-SGD never reached the target at G={unreached} while SMA did" if unreached else ""),
-                     f"measured: median TTA of the best S-SGD over the best SMA series (training time on "
-                     f"{machine.described()}); projected: the epochs ratio, what TTA would be where k learners cost "
-                     "one model"))
+    standing = _Standings(cells, stats)
+    tta = _tta_points(standing, points)
+    rows = [_ssgd_growth_row(standing, small, large, spec.epochs),
+            _near_small_batch_row(standing, small, large, spec.epochs),
+            _one_model_cost_row(bench, machine, on),
+            _tta_row(spec, cells, standing, tta, machine, on)]
     return rows, tta
 
 
@@ -391,48 +434,34 @@ def beyond_crossbow(spec, cells, stats, states):
     return rows, tables
 
 
-def build_report(out, spec, cells, experiment, args):
-    states = {(c.series.name, c.global_batch): cell_state(out, spec, c) for c in cells}
-    stats = {key: cell_stats(spec, st) for key, st in states.items()}
-    points = sorted(spec.global_batches)
-    bench = load_bench(out)
-    with open(os.path.join(out, "machine.json")) as f:
-        machine = json.load(f)
-    runs = [r[2] for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None]
-    where = hardware(machine, runs)
-    rows, tta = verdict(spec, cells, stats, bench, where)
-    series = list({c.series.name: c.series for c in cells}.values())   # in the config's order
-    stock = [r.get("devices") or [] for r in runs if r.get("method") == "tf_ssgd"]
-    stock_devices = _devices_phrase({len(d) for d in stock if d}, "GPU" if where.gpus and any(
-        "GPU" in name for d in stock for name in d) else "CPU")
-
-    def grid_table(what):
-        return markdown_table(["series"] + [f"G={g}" for g in points], [
-            [_series_label(s)] + [_cell_text(stats.get((s.name, g)), spec.epochs, what,
-                                             search_progress(spec, states[(s.name, g)]) if what == "epochs" else None)
-                                  if (s.name, g) in stats else "–" for g in points] for s in series])
-
-    best_rows = [[_series_label(s)] + [(stats[(s.name, g)]["setting"] if stats.get((s.name, g)) else "–")
-                                       if (s.name, g) in stats else "–" for g in points] for s in series]
-    trial_rows = []
+def _trial_rows(states):
+    """The search trials table: one row per (series, G, trial, seed)."""
+    rows = []
     for (name, g), st in states.items():
         for t in st["trials"]:
             for seed, r in t["runs"].items():
                 if r is None:
-                    trial_rows.append([name, g, t["label"], describe(t["point"]), seed, "not run yet", "", "", ""])
+                    rows.append([name, g, t["label"], describe(t["point"]), seed, "not run yet", "", "", ""])
                     continue
                 s = r[0]
-                trial_rows.append([name, g, t["label"] + (" **best**" if st["best"] is t else ""),
-                                   describe(t["point"]), seed,
-                                   s["epochs_to_target"] if s["reached"] else outcome_word(s),
-                                   fmt(s["best_accuracy"], 4), s["epochs_run"], fmt(s["tta"])])
+                rows.append([name, g, t["label"] + (" **best**" if st["best"] is t else ""),
+                             describe(t["point"]), seed,
+                             s["epochs_to_target"] if s["reached"] else outcome_word(s),
+                             fmt(s["best_accuracy"], 4), s["epochs_run"], fmt(s["tta"])])
+    return rows
+
+
+def _budget_line(spec, cells):
     budgets = plan.searched_budgets(cells)
     found = ", ".join(f"{n} at G={g}" for g, n in sorted({(g, n) for (_, g), n in budgets.items()}))
-    budget_line = (f"Search budget: {spec.describe_budget()}, the same for every searched series "
-                   f"(found in the plan: {found}; "
-                   f"{len(budgets)} searched cells), each on search seed(s) {spec.search_seeds}; the best trial "
-                   f"(fewest median epochs to target, then time) ran on seeds {spec.seeds}.")
+    return (f"Search budget: {spec.describe_budget()}, the same for every searched series "
+            f"(found in the plan: {found}; "
+            f"{len(budgets)} searched cells), each on search seed(s) {spec.search_seeds}; the best trial "
+            f"(fewest median epochs to target, then time) ran on seeds {spec.seeds}.")
 
+
+def _why_rows(states):
+    """z against its learners at the last epoch of each averaging series' best trial, first seed."""
     why = []
     for (name, g), st in states.items():
         if st["cell"].series.method not in AVERAGING_METHODS or not st["final"]:
@@ -448,28 +477,37 @@ def build_report(out, spec, cells, experiment, args):
                     distance_text(st["cell"].series.method, last.get("learner_distance")) or "–",
                     fmt(peak.get("learner_accuracy"), 4),
                     outcome_word(run[0], "no")])
-    half2 = [[f"b={b}", g, g // b, f"{row['sma']:.0f}", f"{row['keras_global']:.0f}", f"{row['keras_small']:.0f}",
-              f"{row['sma'] / row['keras_global']:.2f}", f"{row['sma'] / row['keras_small']:.2f}",
-              f"{row['update_share']:.0%}", f"{row['spread']:.0%}"] for (b, g), row in sorted(bench.items())]
-    bn_rows, bn_note = [], "not run yet"
-    bn_files = sorted(glob.glob(os.path.join(out, "runs", "bn", "*.json")))
-    if bn_files:
-        with open(bn_files[0]) as f:
-            bn = json.load(f)
-        for e in bn["evaluations"]:
-            bn_rows.append([e["epoch"], f"{e['accuracy']:.4f}", fmt(e.get("accuracy_bn_recomputed"), 4),
-                            fmt(e.get("bn_recompute_time"), 2), f"{e['epoch_time']:.1f}"])
-        diffs = [e["accuracy_bn_recomputed"] - e["accuracy"] for e in bn["evaluations"] if "accuracy_bn_recomputed" in e]
-        cfg = bn["config"]
-        bn_note = (f"LeNet with BatchNorm, SMA with k={bn['num_learners']} learners of {cfg['batch_size']}, "
-                   f"lr {cfg['learning_rate']['base']}, alpha 1/k, {len(bn['evaluations'])} epochs, seed 0; "
-                   f"recomputed on {cfg['batchnorm_batches']} training batches of {cfg['eval_batch_size']}. "
-                   f"Recomputed minus averaged accuracy: mean {sum(diffs) / len(diffs):+.4f}, "
-                   f"min {min(diffs):+.4f}, max {max(diffs):+.4f}." if diffs else "")
-    tta_rows = [[g, fmt(m), fmt(p), "not reached" if e_s == float("inf") else fmt(e_s, None),
-                 "not reached" if e_m == float("inf") else fmt(e_m, None)] for g, m, p, e_s, e_m in tta]
+    return why
 
-    # Plots from what has finished.
+
+def _half2_rows(bench):
+    return [[f"b={b}", g, g // b, f"{row['sma']:.0f}", f"{row['keras_global']:.0f}", f"{row['keras_small']:.0f}",
+             f"{row['sma'] / row['keras_global']:.2f}", f"{row['sma'] / row['keras_small']:.2f}",
+             f"{row['update_share']:.0%}", f"{row['spread']:.0%}"] for (b, g), row in sorted(bench.items())]
+
+
+def _batchnorm_rows(out):
+    """(table rows, note) of the BatchNorm run under OUT/runs/bn ([], "not run yet" before it ran)."""
+    bn_files = sorted(glob.glob(os.path.join(out, "runs", "bn", "*.json")))
+    if not bn_files:
+        return [], "not run yet"
+    with open(bn_files[0]) as f:
+        bn = json.load(f)
+    rows = [[e["epoch"], f"{e['accuracy']:.4f}", fmt(e.get("accuracy_bn_recomputed"), 4),
+             fmt(e.get("bn_recompute_time"), 2), f"{e['epoch_time']:.1f}"] for e in bn["evaluations"]]
+    diffs = [e["accuracy_bn_recomputed"] - e["accuracy"] for e in bn["evaluations"] if "accuracy_bn_recomputed" in e]
+    cfg = bn["config"]
+    note = (f"LeNet with BatchNorm, SMA with k={bn['num_learners']} learners of {cfg['batch_size']}, "
+            f"lr {cfg['learning_rate']['base']}, alpha 1/k, {len(bn['evaluations'])} epochs, seed 0; "
+            f"recomputed on {cfg['batchnorm_batches']} training batches of {cfg['eval_batch_size']}. "
+            f"Recomputed minus averaged accuracy: mean {sum(diffs) / len(diffs):+.4f}, "
+            f"min {min(diffs):+.4f}, max {max(diffs):+.4f}." if diffs else "")
+    return rows, note
+
+
+def _draw_plots(out, spec, cells, stats, states, series, where):
+    """The report's plots from what has finished."""
+    points = sorted(spec.global_batches)
     epochs_series = {}
     for s in series:
         pts = [(g, stats[(s.name, g)]["epochs"][0]) for g in points if stats.get((s.name, g))]
@@ -478,36 +516,40 @@ def build_report(out, spec, cells, experiment, args):
     if epochs_series:
         plots.plot_sweep(epochs_series, spec.epochs, spec.target, os.path.join(out, "epochs_vs_G.png"))
     plots.plot_tta(stats, cells, spec, os.path.join(out, "tta_vs_G.png"), where.devices)
-    largest = max(points)
-    plots.plot_largest(states, spec, largest, os.path.join(out, "accuracy_vs_epochs_largest_G.png"))
+    plots.plot_largest(states, spec, max(points), os.path.join(out, "accuracy_vs_epochs_largest_G.png"))
     plots.plot_best_accuracy(stats, series, points, spec, os.path.join(out, "best_accuracy_vs_G.png"), _series_label)
-    beyond_rows, beyond_tables = beyond_crossbow(spec, cells, stats, states)
-    beyond_md = markdown_table(["claim", "verdict", "numbers", "how measured"], [list(r) for r in beyond_rows])
-    beyond_parts = []
-    if beyond_rows:
-        beyond_parts = [
-            "## Beyond Crossbow: averaging methods whose pull is not capped by the central loop", "",
-            "Crossbow's SMA couples the learners' pull alpha and the central step beta = k*alpha, and its central "
-            "loop is stable only while beta < (1 + mu_z)(2 - alpha), so at large k alpha cannot pass about 3.6/k. "
-            "Decoupled SMA takes Delta = beta * mean_j (s_j - z) with beta below that bound and alpha free; local "
-            "SGD restarts every learner from z after each synchronisation (period H; an outer optimizer on "
-            "z - mean_j w_j, DiLoCo's with outer momentum). Same budgets as every searched series.", "",
-            beyond_md, ""]
-        for g, table in beyond_tables.items():
-            beyond_parts += [f"At G={g}:", "", markdown_table(
-                ["series", "epochs to target", "best accuracy, median [range]", "learners' distance to z (last epoch)",
-                 "best coupling / setting"], table), ""]
-        beyond_parts += ["![best accuracy within the cap against G](best_accuracy_vs_G.png)", ""]
 
-    finished = sum(1 for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None) + \
+
+def _beyond_section(beyond_md, beyond_rows, beyond_tables):
+    """The report's lines on the methods beyond Crossbow ([] when none ran)."""
+    if not beyond_rows:
+        return []
+    parts = [
+        "## Beyond Crossbow: averaging methods whose pull is not capped by the central loop", "",
+        "Crossbow's SMA couples the learners' pull alpha and the central step beta = k*alpha, and its central "
+        "loop is stable only while beta < (1 + mu_z)(2 - alpha), so at large k alpha cannot pass about 3.6/k. "
+        "Decoupled SMA takes Delta = beta * mean_j (s_j - z) with beta below that bound and alpha free; local "
+        "SGD restarts every learner from z after each synchronisation (period H; an outer optimizer on "
+        "z - mean_j w_j, DiLoCo's with outer momentum). Same budgets as every searched series.", "",
+        beyond_md, ""]
+    for g, table in beyond_tables.items():
+        parts += [f"At G={g}:", "", markdown_table(
+            ["series", "epochs to target", "best accuracy, median [range]", "learners' distance to z (last epoch)",
+             "best coupling / setting"], table), ""]
+    return parts + ["![best accuracy within the cap against G](best_accuracy_vs_G.png)", ""]
+
+
+def _finished_runs(states):
+    """Search runs plus the best trials' runs on the seeds it was not searched on, that have finished."""
+    return sum(1 for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None) + \
         sum(1 for st in states.values() for s, r in st["final"].items() if r is not None and
             (st["best"] is None or s not in st["best"]["runs"]))
-    planned = plan.count_runs(spec, cells)
-    verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
-                                        [list(r) for r in rows])
+
+
+def _header_lines(out, experiment, args, machine, where, finished, planned):
     software = next((json.load(open(p)).get("environment", {}) for p in
                      glob.glob(os.path.join(out, "runs", "*", "*", "*.json"))[:1]), {})
-    parts = [
+    return [
         f"# Reproduction study: {experiment.get('name', '')}", "",
         f"- command: `{machine.get('command')}`",
         f"- config: `{relative_path(args.config)}` (copied to `config.yaml`)",
@@ -519,26 +561,47 @@ def build_report(out, spec, cells, experiment, args):
         f"- progress: {finished} of {planned} training runs finished" +
         ("" if finished >= planned else " (**partial**: resume with the command above plus `--resume`)"),
         "- every run is its own process, one at a time; each run's config, log and results are under `runs/`; "
-        "the load average at each run's start is in its log.", "",
-        "## Verdict", "", verdict_md, "",
-        *(["Read the verdict with the protocol notes under Half 1: they say where the protocol was not "
-           "what it was planned to be.", ""] if spec.notes else []),
-        *beyond_parts,
+        "the load average at each run's start is in its log.", ""]
+
+
+def _grid_table(spec, stats, states, series, what):
+    """Series against G: epochs to target (with the search's progress) or TTA per cell."""
+    points = sorted(spec.global_batches)
+    return markdown_table(["series"] + [f"G={g}" for g in points], [
+        [_series_label(s)] + [_cell_text(stats.get((s.name, g)), spec.epochs, what,
+                                         search_progress(spec, states[(s.name, g)]) if what == "epochs" else None)
+                              if (s.name, g) in stats else "–" for g in points] for s in series])
+
+
+def _half1_lines(spec, cells, stats, states, series):
+    points = sorted(spec.global_batches)
+    best_rows = [[_series_label(s)] + [(stats[(s.name, g)]["setting"] if stats.get((s.name, g)) else "–")
+                                       if (s.name, g) in stats else "–" for g in points] for s in series]
+    why = _why_rows(states)
+    return [
         "## Half 1: statistical efficiency (epochs to target)", "",
         f"Target {spec.target:.0%} test accuracy on the whole test split, at most {spec.epochs} epochs per run. "
-        + budget_line + " Cells: median [min–max] epochs over the seeds (reached/seeds); a series that does not "
-        "reach shows its best accuracy. Runs at chance accuracy for 2 epochs after the first stop as collapsed; "
-        "a run whose loss, learners or z became NaN or infinite stops as diverged.", "",
-        grid_table("epochs"), "",
+        + _budget_line(spec, cells) + " Cells: median [min–max] epochs over the seeds (reached/seeds); a series "
+        "that does not reach shows its best accuracy. Runs at chance accuracy for 2 epochs after the first stop as "
+        "collapsed; a run whose loss, learners or z became NaN or infinite stops as diverged.", "",
+        _grid_table(spec, stats, states, series, "epochs"), "",
         *([f"Protocol notes (from the config): {' '.join(spec.notes)}", ""] if spec.notes else []),
         "Best setting per point:", "",
         markdown_table(["series"] + [f"G={g}" for g in points], best_rows), "",
         "![epochs to target against G](epochs_vs_G.png)", "",
-        f"![accuracy against epochs at G={largest}](accuracy_vs_epochs_largest_G.png)", "",
+        f"![accuracy against epochs at G={max(points)}](accuracy_vs_epochs_largest_G.png)", "",
         "### Why: z against its learners (SMA, best trial, first seed, last epoch)", "",
         markdown_table(["series", "G", "k", "setting", "epochs", "z accuracy", "learner 0 accuracy",
-                        "mean distance to z", "best learner 0 accuracy", "collapsed or diverged"], why) if why else "not run yet",
-        "", f"## Half 2: hardware efficiency ({where.devices})", "",
+                        "mean distance to z", "best learner 0 accuracy", "collapsed or diverged"], why)
+        if why else "not run yet", ""]
+
+
+def _half2_and_tta_lines(spec, stats, states, series, bench, tta, where):
+    half2 = _half2_rows(bench)
+    tta_rows = [[g, fmt(m), fmt(p), "not reached" if e_s == INF else fmt(e_s, None),
+                 "not reached" if e_m == INF else fmt(e_m, None)] for g, m, p, e_s, e_m in tta]
+    return [
+        f"## Half 2: hardware efficiency ({where.devices})", "",
         ("Images/s of fused SMA with k learners of b against one plain Keras model at batch k*b and at batch b, "
          "measured side by side in one process, interleaved rounds, median (tools/bench_throughput.py, "
          "random MNIST-shaped images; `bench/` holds each command and log). Update share: the SMA update's "
@@ -549,29 +612,73 @@ def build_report(out, spec, cells, experiment, args):
         if half2 else "", "",
         "## The product: time to accuracy", "",
         f"Median training time to target (evaluation excluded) on {where.devices}, per series and point:", "",
-        grid_table("tta"), "",
+        _grid_table(spec, stats, states, series, "tta"), "",
         "S-SGD over SMA at equal G (above 1: SMA sooner). Measured: the best S-SGD's median TTA over the best SMA "
         "series'. Projected (**a projection, not a measurement**): the ratio of epochs, which is the TTA ratio "
         "on hardware where k learners of b cost what one model at k*b costs (half 2 holding).", "",
         markdown_table(["G", "measured TTA ratio", "projected (epochs) ratio", "best S-SGD epochs",
                         "best SMA epochs"], tta_rows), "",
-        "![TTA against G](tta_vs_G.png)", "",
+        "![TTA against G](tta_vs_G.png)", ""]
+
+
+def _closing_lines(out, states, runs, where):
+    """BatchNorm, the baselines' fidelity and the search trials."""
+    bn_rows, bn_note = _batchnorm_rows(out)
+    stock = [r.get("devices") or [] for r in runs if r.get("method") == "tf_ssgd"]
+    stock_devices = _devices_phrase({len(d) for d in stock if d}, "GPU" if where.gpus and any(
+        "GPU" in name for d in stock for name in d) else "CPU")
+    return [
         "## BatchNorm: averaged against recomputed statistics", "", bn_note, "",
         markdown_table(["epoch", "z accuracy (averaged statistics)", "z accuracy (recomputed)",
                         "recompute time (s)", "epoch time (s)"], bn_rows) if bn_rows else "", "",
         "## Fidelity of the baselines", "", fidelity(stock_devices), "",
         "## Search trials", "",
         markdown_table(["series", "G", "trial", "setting", "seed", "epochs to target", "best accuracy",
-                        "epochs run", "TTA (s)"], trial_rows), ""]
+                        "epochs run", "TTA (s)"], _trial_rows(states)), ""]
+
+
+def _summary(machine, finished, planned, stats, rows, beyond_rows, tta, bench):
+    """summary.json's content."""
+    row_keys = ("claim", "verdict", "numbers", "reason")
+    return dict(machine=machine, finished_runs=finished, planned_runs=planned,
+                cells={f"{n}@{g}": s for (n, g), s in stats.items()},
+                verdict=[dict(zip(row_keys, r)) for r in rows],
+                beyond_crossbow=[dict(zip(row_keys, r)) for r in beyond_rows],
+                tta=[dict(zip(("global_batch", "measured_ratio", "projected_ratio", "ssgd_epochs", "sma_epochs"),
+                              (g, m, p, None if e_s == INF else e_s, None if e_m == INF else e_m)))
+                     for g, m, p, e_s, e_m in tta],
+                bench={f"b{b}@{g}": row for (b, g), row in bench.items()})
+
+
+def build_report(out, spec, cells, experiment, args):
+    """Writes OUT/report.md, OUT/summary.json and the plots from what has finished; the verdict's and the
+    beyond-Crossbow section's markdown and the summary."""
+    states = {(c.series.name, c.global_batch): cell_state(out, spec, c) for c in cells}
+    stats = {key: cell_stats(spec, st) for key, st in states.items()}
+    bench = load_bench(out)
+    with open(os.path.join(out, "machine.json")) as f:
+        machine = json.load(f)
+    runs = [r[2] for st in states.values() for t in st["trials"] for r in t["runs"].values() if r is not None]
+    where = hardware(machine, runs)
+    rows, tta = verdict(spec, cells, stats, bench, where)
+    series = list({c.series.name: c.series for c in cells}.values())   # in the config's order
+    _draw_plots(out, spec, cells, stats, states, series, where)
+    beyond_rows, beyond_tables = beyond_crossbow(spec, cells, stats, states)
+    beyond_md = markdown_table(["claim", "verdict", "numbers", "how measured"], [list(r) for r in beyond_rows])
+    finished, planned = _finished_runs(states), plan.count_runs(spec, cells)
+    verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
+                                [list(r) for r in rows])
+    parts = [
+        *_header_lines(out, experiment, args, machine, where, finished, planned),
+        "## Verdict", "", verdict_md, "",
+        *(["Read the verdict with the protocol notes under Half 1: they say where the protocol was not "
+           "what it was planned to be.", ""] if spec.notes else []),
+        *_beyond_section(beyond_md, beyond_rows, beyond_tables),
+        *_half1_lines(spec, cells, stats, states, series),
+        *_half2_and_tta_lines(spec, stats, states, series, bench, tta, where),
+        *_closing_lines(out, states, runs, where)]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(parts) + "\n")
-    summary = dict(machine=machine, finished_runs=finished, planned_runs=planned,
-                   cells={f"{n}@{g}": s for (n, g), s in stats.items()},
-                   verdict=[dict(zip(("claim", "verdict", "numbers", "reason"), r)) for r in rows],
-                   beyond_crossbow=[dict(zip(("claim", "verdict", "numbers", "reason"), r)) for r in beyond_rows],
-                   tta=[dict(zip(("global_batch", "measured_ratio", "projected_ratio", "ssgd_epochs", "sma_epochs"),
-                                 (g, m, p, None if e_s == float("inf") else e_s, None if e_m == float("inf") else e_m)))
-                        for g, m, p, e_s, e_m in tta],
-                   bench={f"b{b}@{g}": row for (b, g), row in bench.items()})
+    summary = _summary(machine, finished, planned, stats, rows, beyond_rows, tta, bench)
     write_json(os.path.join(out, "summary.json"), summary)
     return dict(verdict_markdown=verdict_md, beyond_markdown=beyond_md if beyond_rows else "", summary=summary)

@@ -17,13 +17,12 @@ import sys
 from crossbow_tf import cli
 from crossbow_tf.compare.plan import describe, plan_sweep, trial_gpus
 from crossbow_tf.compare.plots import plot_sweep
-from crossbow_tf.compare.report import (check_report_dir, command_line, copy_config, header_markdown, markdown_table,
-                                        software_line, sweep_markdown, sweep_series, write_json)
-from crossbow_tf.compare import trials as trials_lib
-from crossbow_tf.compare.runner import check_study, machine_info, open_study, run_sweep, Runner
+from crossbow_tf.compare import command, trials as trials_lib
+from crossbow_tf.compare.report import command_line, header_markdown, software_line, sweep_markdown, sweep_series
+from crossbow_tf.compare.runner import machine_info, run_sweep
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_sweep
 from crossbow_tf.errors import ConfigError, CrossbowError
-from crossbow_tf.files import atomic_write_text, recorded_path
+from crossbow_tf.files import recorded_path
 
 
 def parse_args(argv):
@@ -101,37 +100,25 @@ def sweep(argv=None):
         out = recorded_path(args.out) or os.path.join("reports", experiment.get("name", "experiment") + "-sweep")
         total = len(plan) * len(spec.seeds)
         if args.dry_run:
-            check_study(args, out)
-            check_report_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
-            for series, g, label, point, _ in plan:
-                print(f"{series} global batch {g} {label}: {describe(point)}")
-            print(f"{total} runs")
-            return 0
-        study = open_study(args, out)
-        trials_lib.remember_name(study, out)
+            return command.dry_run(args, out, [f"{series} global batch {g} {label}: {describe(point)}"
+                                               for series, g, label, point, _ in plan] + [f"{total} runs"])
+        study = command.open_named_study(args, out)
     except CrossbowError as e:
         return cli.fail("sweep", e)
     except OSError as e:   # the report directory cannot be made
         return cli.fail("sweep", f"{e.filename}: {e.strerror}")
 
-    copy_config(args.config, out)
-    machine = machine_info()
-    runner = Runner(out, total, resume=True, trials=study)
+    machine, runner = command.start(args, out, total, study)
     runner.say(f"sweep: {total} runs, report in {out}")
     try:
         result = run_sweep(spec, plan, runner)
     except KeyboardInterrupt:
-        print(f"sweep: interrupted; finished runs stay in {out}/runs (rerun with --resume)", file=sys.stderr)
-        return 130
+        return command.interrupted("sweep", out)
     except CrossbowError as e:   # the storage holds another plan
         return cli.fail("sweep", e)
-    if not runner.study.complete():
-        print("sweep: the study is not complete (runs whose workers died too often); rerun with --resume",
-              file=sys.stderr)
-        return 1
-    if args.worker and not trials_lib.claim_report(runner.study, out):
-        runner.say(f"sweep: the study is complete; another worker writes the report in {out}")
-        return 0
+    stop = command.stop_before_report("sweep", args, runner, out, runner.study.complete())
+    if stop is not None:
+        return stop
     plot_sweep(sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
     records = [r for points in result.values() for *_, recs in points for r in recs]
     text = sweep_markdown(spec, result)
@@ -140,11 +127,7 @@ def sweep(argv=None):
                              command_line(), machine, args.config),
              software_line(records), f"- finished: {machine_info()['date']}", "", text, "",
              "![epochs to target against global batch](sweep.png)"]
-    if failed:
-        parts += ["", "## Failed runs", "", markdown_table(
-            ["run", "seed", "error"], [[os.path.relpath(r.path, out), r.seed, r.error] for r in failed])]
-    atomic_write_text(os.path.join(out, "report.md"), "\n".join(parts) + "\n")
-    write_json(os.path.join(out, "summary.json"), dict(
+    command.write_report(out, parts + command.failed_runs_lines(failed, out), dict(
         machine=machine, command=command_line(), spec=spec,
         sweep={series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]
                for series, points in result.items()}))
