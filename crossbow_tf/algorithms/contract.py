@@ -61,11 +61,6 @@ class Rule:
         return self.sync_period == 1
 
     @property
-    def synchronisation_period(self):
-        """The former name of ``sync_period``, kept for callers not yet moved."""
-        return self.sync_period
-
-    @property
     def keeps_learner_velocity(self):
         """Whether learners need a velocity: with momentum 0 they take plain gradient steps."""
         return getattr(self, "momentum", 0) != 0
@@ -89,10 +84,6 @@ class Rule:
     def for_learners(self, num_learners):
         """This rule bound to NUM_LEARNERS learners (alpha's default taken, the stability checked)."""
         return self
-
-    def resolve(self, num_learners):
-        """The former name of ``for_learners``, kept for callers not yet moved."""
-        return self.for_learners(num_learners)
 
     def synchronises(self, iteration, iterations_per_epoch=None):
         """Whether ITERATION (from 0 in the run) synchronises: the H-th, 2H-th, ... one."""
