@@ -10,6 +10,7 @@ import yaml
 
 import crossbow_tf.compare as study
 from crossbow_tf.data import load_dataset
+from crossbow_tf.compare.loops import study_items
 from crossbow_tf.errors import ConfigError, DataError
 from crossbow_tf.results import first_reaching, reaches
 from test_data_formats import write_mnist
@@ -89,6 +90,24 @@ def test_per_point_grids_in_k_and_shapes():
     assert exp["learners_per_device"] == 4 and exp["batch_size"] == 16 and exp["algorithm"]["alpha"] == 0.25
     exp, opts = by["ssgd", 64].trials[0][2][0]
     assert exp["batch_size"] == 64 and opts is not None and by["ssgd", 64].k == 1
+
+
+def test_interleaved_order_lets_the_series_take_turns_run_by_run():
+    series = dict(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+                  sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]}))
+    by_series, _ = plan(dict(sweep(**series), seeds=[0, 1]))
+    spec, cells = plan(dict(sweep(**series), seeds=[0, 1], order="interleaved"))
+    keys = [item.key for item in study_items(spec, cells)[0]]
+    assert keys == ["ssgd/G32/t00_s0", "sma/G32/t00_s0", "ssgd/G32/t01_s0", "sma/G32/t01_s0",
+                    "ssgd/G32/best_s1", "sma/G32/best_s1",
+                    "ssgd/G64/t00_s0", "sma/G64/t00_s0", "ssgd/G64/t01_s0", "sma/G64/t01_s0",
+                    "ssgd/G64/best_s1", "sma/G64/best_s1"]
+    # The same runs as the default order (each series' trials one after another), only reordered.
+    default = [item.key for item in study_items(by_series, cells)[0]]
+    assert default[:4] == ["ssgd/G32/t00_s0", "ssgd/G32/t01_s0", "sma/G32/t00_s0", "sma/G32/t01_s0"]
+    assert sorted(default) == sorted(keys)
+    with pytest.raises(ConfigError, match="sweep.order: expected series or interleaved, got 'random'"):
+        plan(dict(sweep(**series), order="random"))
 
 
 def test_equal_budgets_are_enforced():

@@ -8,6 +8,7 @@ replications). The sweep has no replications: every point runs on every seed. Ea
 of the runner's Optuna study (trials.py). Nothing here imports TensorFlow.
 """
 import dataclasses
+import itertools
 
 from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.plan import describe
@@ -65,25 +66,36 @@ def _item(job, group):
     return trials_lib.Item(job.key, group, job.seed, config_hash=trials_lib.config_hash(text))
 
 
-def plan_items(phases):
+_NONE = object()
+
+
+def _taking_turns(lists):
+    """The lists' elements, one from each in turn: [[a1, a2], [b1]] -> [a1, b1, a2]."""
+    return [x for row in itertools.zip_longest(*lists, fillvalue=_NONE) for x in row if x is not _NONE]
+
+
+def plan_items(phases, interleaved=False):
     """(items, {key: Job}) of PHASES (lists of Groups): per phase, every group's search runs, then
-    every group's replications (a trials.Item each, in the order one process runs them)."""
+    every group's replications (a trials.Item each, in the order one process runs them). INTERLEAVED:
+    within a phase the groups take turns, run by run, instead of one group after another."""
     items, jobs = [], {}
     for phase in phases:
-        for group in phase:
-            for job in group.search_jobs():
-                jobs[job.key] = job
-                items.append(_item(job, group.name))
-        for group in phase:
-            items += [trials_lib.Item(f"{group.name}/best_s{seed}", group.name, seed, replicate=True)
-                      for seed in group.replication_seeds()]
+        searches = [[(job, group) for job in group.search_jobs()] for group in phase]
+        replications = [[trials_lib.Item(f"{group.name}/best_s{seed}", group.name, seed, replicate=True)
+                         for seed in group.replication_seeds()] for group in phase]
+        if interleaved:
+            searches, replications = [_taking_turns(searches)], [_taking_turns(replications)]
+        for job, group in itertools.chain.from_iterable(searches):
+            jobs[job.key] = job
+            items.append(_item(job, group.name))
+        items += itertools.chain.from_iterable(replications)
     return items, jobs
 
 
-def search_then_replicate(phases, runner, target, timeout):
+def search_then_replicate(phases, runner, target, timeout, interleaved=False):
     """Runs PHASES' groups (plan_items' order) as the runner's study; {group name: its outcome}."""
     groups = {group.name: group for phase in phases for group in phase}
-    items, jobs = plan_items(phases)
+    items, jobs = plan_items(phases, interleaved)
 
     def resolve(item):
         if not item.replicate:
@@ -202,7 +214,7 @@ def study_items(spec, cells):
     """(items, {key: Job} of the search runs, {group: cell}) of the reproduction study, its trials in
     the order one process runs them (point by point: every cell's search, then every cell's
     replications)."""
-    items, jobs = plan_items(study_phases(spec, cells))
+    items, jobs = plan_items(study_phases(spec, cells), spec.order == "interleaved")
     return items, jobs, {cell_group(spec, cell).name: cell for cell in cells}
 
 
@@ -216,6 +228,7 @@ def run_study(spec, cells, runner):
     Returns {(series name, G): outcome dict}. Trials are ranked by fewest median epochs to target,
     then time (best_trial(by="epochs")): the study's question is statistical efficiency.
     """
-    outcome = search_then_replicate(study_phases(spec, cells), runner, spec.target, spec.timeout)
+    outcome = search_then_replicate(study_phases(spec, cells), runner, spec.target, spec.timeout,
+                                    spec.order == "interleaved")
     return {(cell.series.name, cell.global_batch): dict(cell=cell, **outcome[cell_group(spec, cell).name])
             for cell in cells}

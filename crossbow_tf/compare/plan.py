@@ -7,6 +7,7 @@ The reproduction study is a ``sweep:`` section with a ``series:`` mapping:
       global_batches: [128, 2048, 512]   # points, run in this order (so early ones finish first)
       budget: 3                          # trials per searched series per point, the same for all
       point_budgets: {2048: 6}           # a point where every searched series gets a larger budget
+      order: interleaved                 # the series take turns run by run (default: series, one after another)
       search_seeds: [0]
       seeds: [0, 1, 2]                   # the best trial per point runs on these
       target: 0.89

@@ -264,6 +264,9 @@ class StudySpec(SearchProtocol):
     series: list
     notes: list = dataclasses.field(default_factory=list)   # protocol notes the report prints
     point_budgets: dict = dataclasses.field(default_factory=dict)   # G -> budget, where not `budget`
+    # "series": each series' trials one after another; "interleaved": the series take turns, trial
+    # by trial, so that a drift in the machine's load falls on every series alike.
+    order: str = "series"
 
     def budget_at(self, g):
         return self.point_budgets.get(g, self.budget)
@@ -320,7 +323,7 @@ def _series(name, body, where, points):
 def parse_study(section, experiment, where="sweep"):
     """StudySpec from a sweep: mapping with series (see the module doc)."""
     _known(section, ("global_batches", "series", "budget", "search_seeds", "seeds", "target", "epochs",
-                     "timeout", "notes", "point_budgets"), where)
+                     "timeout", "notes", "point_budgets", "order"), where)
     notes = section.get("notes", [])
     _need(isinstance(notes, list) and all(isinstance(n, str) and n.strip() for n in notes),
           f"{where}.notes: expected a list of sentences, got {notes!r}")
@@ -333,7 +336,10 @@ def parse_study(section, experiment, where="sweep"):
         series=[_series(name, body, f"{where}.series.{name}", points) for name, body in series.items()],
         **_protocol(section, experiment, where, budget=3, timeout=1800),
         notes=[" ".join(n.split()) for n in notes],
-        point_budgets=_point_budgets(section.get("point_budgets"), points, f"{where}.point_budgets"))
+        point_budgets=_point_budgets(section.get("point_budgets"), points, f"{where}.point_budgets"),
+        order=section.get("order", "series"))
+    _need(spec.order in ("series", "interleaved"),
+          f"{where}.order: expected series or interleaved, got {spec.order!r}")
     _need(any(not s.untuned for s in spec.series), f"{where}.series: at least one series must be searched")
     return spec
 
