@@ -50,3 +50,25 @@ def pytest_collection_modifyitems(config, items):
 def cpu_devices():
     """The 4 logical CPU devices of the test session."""
     return list(DEVICES)
+
+
+# With CROSSBOW_TEST_CPU_TIMES=FILE, every test appends "node id <TAB> CPU seconds <TAB> wall seconds"
+# to FILE: the CPU of this process and of the subprocesses it waited for, which a busy machine
+# barely changes (tools/suite_cpu.py sums it per file; how the suite's time was cut: README).
+CPU_TIMES = os.environ.get("CROSSBOW_TEST_CPU_TIMES")
+
+
+def _cpu_seconds():
+    import resource
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if CPU_TIMES:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import time
+        cpu, wall = _cpu_seconds(), time.monotonic()
+        yield
+        with open(CPU_TIMES, "a", encoding="utf-8") as f:
+            f.write(f"{item.nodeid}\t{_cpu_seconds() - cpu:.2f}\t{time.monotonic() - wall:.2f}\n")
