@@ -46,7 +46,7 @@ from crossbow_tf.compare.stats import best_trial, seed_statistics  # noqa: E402
 from crossbow_tf.config import make_rule  # noqa: E402
 from crossbow_tf.distribute.traffic import ring_bytes  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
-from crossbow_tf.files import atomic_write, atomic_write_text, check_creatable  # noqa: E402
+from crossbow_tf.files import atomic_write, atomic_write_text, check_creatable, recorded_path  # noqa: E402
 
 PROG = "project_across_workers"
 GBIT = 1e9
@@ -275,31 +275,53 @@ def relative_error(projected, measured):
     return None if projected is None or not measured else (projected - measured) / measured
 
 
-def check_rows(folder, spec, cells, inputs, alpha):
-    """The projection at W0 workers against the runs measured behind each real limit: per series and
-    limit, ms per iteration and time to target, projected and measured, with the relative errors."""
+@dataclasses.dataclass(frozen=True)
+class LimitCheck:
+    """One series behind one real limit: the projection at its measured workers against the runs."""
+    name: str
+    limit: str                  # tc's rate as the folder names it: 1gbit, 100mbit
+    bits_per_second: float
+    projected_step_ms: float
+    measured_step_ms: float
+    projected_tta: float        # None when the series did not reach the target on loopback
+    measured_tta: float         # median; None when most runs did not reach
+    measured_epochs: float
+    reached: int
+    runs: int
+    files: tuple
+
+
+def limit_checks(folder, spec, cells, inputs, alpha):
+    """[LimitCheck] for every series and real limit the study measured, in the config's order."""
     by_name = {i.name: i for i in inputs}
-    rows = []
+    checks = []
     for cell in cells:
         i = by_name.get(cell.series.name)
         for limit, runs in (limit_runs(folder, spec, cell).items() if i else ()):
             rate = limit_bits_per_second(limit)
             if rate is None:
                 continue
-            cross = [r[2]["cross_worker"] for r in runs]
-            measured_step = statistics.median(c["step_ms_per_iteration"] for c in cross)
-            measured_tta = seed_statistics([r[0]["tta"] for r in runs])[0]
             per_iteration = i.compute_ms + 1000 * i.syncs / max(i.iterations, 1) * ring_seconds(
                 i.payload_bytes, i.workers, rate, alpha)
-            tta = projected_time(i, i.workers, rate, alpha) if i.reached_target else None
-            rows.append([i.name, limit[len("net-"):], fmt(per_iteration, 1), fmt(measured_step, 1),
-                         percent(relative_error(per_iteration, measured_step)),
-                         fmt(tta, 0) if tta is not None else "not reached on loopback",
-                         fmt(measured_tta, 0) if measured_tta is not None else
-                         f"not reached ({sum(r[0]['reached'] for r in runs)}/{len(runs)})",
-                         percent(relative_error(tta, measured_tta)),
-                         ", ".join(os.path.relpath(r[3], folder) for r in runs)])
-    return rows
+            checks.append(LimitCheck(
+                name=i.name, limit=limit[len("net-"):], bits_per_second=rate, projected_step_ms=per_iteration,
+                measured_step_ms=statistics.median(r[2]["cross_worker"]["step_ms_per_iteration"] for r in runs),
+                projected_tta=projected_time(i, i.workers, rate, alpha) if i.reached_target else None,
+                measured_tta=seed_statistics([r[0]["tta"] for r in runs])[0],
+                measured_epochs=seed_statistics([r[0]["epochs_to_target"] for r in runs])[0],
+                reached=sum(r[0]["reached"] for r in runs), runs=len(runs),
+                files=tuple(os.path.relpath(r[3], folder) for r in runs)))
+    return checks
+
+
+def check_rows(checks):
+    return [[c.name, c.limit, fmt(c.projected_step_ms, 1), fmt(c.measured_step_ms, 1),
+             percent(relative_error(c.projected_step_ms, c.measured_step_ms)),
+             fmt(c.projected_tta, 0) if c.projected_tta is not None else "not reached on loopback",
+             fmt(c.measured_tta, 0) if c.measured_tta is not None else f"not reached ({c.reached}/{c.runs})",
+             percent(relative_error(c.projected_tta, c.measured_tta)),
+             fmt(c.measured_epochs, None) if c.measured_epochs is not None else "not reached",
+             "<br>".join(c.files)] for c in checks]
 
 
 def percent(x):
@@ -324,7 +346,10 @@ def time_text(inputs, workers, rate, alpha, reference):
 
 
 def bandwidth_words(bits_per_second):
-    return f"{bits_per_second / GBIT:g} Gbit/s" if bits_per_second >= GBIT / 10 else f"{bits_per_second / 1e6:g} Mbit/s"
+    """ "1 Gbit/s", "0.43 Gbit/s", "35.2 Mbit/s": three significant digits at most."""
+    if bits_per_second >= GBIT / 10:
+        return f"{float(f'{bits_per_second / GBIT:.3g}'):g} Gbit/s"
+    return f"{float(f'{bits_per_second / 1e6:.3g}'):g} Mbit/s"
 
 
 def crossover_text(inputs, reference, workers, alpha):
@@ -390,12 +415,12 @@ def markdown(study, spec, g, inputs, missing, per_byte, checks, workers, rates, 
     """projection.md's text."""
     reference = reference_series(inputs)
     loopback = (f"At loopback on this machine, the engine's all-reduce took {per_byte * 1e6:.2f} ms per MB sent "
-                f"(median over its runs; {8e-3 / per_byte:.2f} Gbit/s effective)." if per_byte else "")
+                f"(median over its runs; {8e-6 / per_byte:.2f} Gbit/s effective)." if per_byte else "")
     return "\n".join([
         f"# {HEADING}", "",
         f"**A projection, not a measurement**: the time to {spec.target:.0%} test accuracy of the series of "
-        f"`{study}` (G = {g}) on W workers joined at B, computed from what the study measured on this machine.",
-        f"Generated by `python tools/project_across_workers.py --study {study} --bandwidths "
+        f"`{recorded_path(study)}` (G = {g}) on W workers joined at B, computed from what the study measured on this machine.",
+        f"Generated by `python tools/project_across_workers.py --study {recorded_path(study)} --bandwidths "
         f"{' '.join(f'{b / GBIT:g}' for b in rates)} --workers {' '.join(map(str, workers))} --alpha-us {alpha * 1e6:g}`.",
         "",
         *formula_lines(alpha),
@@ -415,34 +440,54 @@ def markdown(study, spec, g, inputs, missing, per_byte, checks, workers, rates, 
            "relative error (projected - measured) / measured. The projected time to target uses the loopback "
            "runs' epochs.", "",
            markdown_table(["series", "limit", "projected ms/iteration", "measured ms/iteration", "error",
-                           "projected TTA (s)", "measured TTA (s)", "error", "files"], checks)]
+                           "projected TTA (s)", "measured TTA (s)", "error", "measured epochs", "files"],
+                          check_rows(checks))]
           if checks else ["Not measured yet: the study has no runs behind real limits (runs/<series>/G<g>/net-<limit>/)."]),
         ""])
 
 
-def draw(path, inputs, reference, workers, rates, alpha):
+def _draw_panel(ax, w, inputs, reference, checks, grid, rates, alpha):
+    """One worker count: a line per series, dots at the tabled bandwidths, a cross where a series meets
+    tuned S-SGD, and (on the measured worker count) hollow squares at the times measured behind real limits."""
+    for n, i in enumerate(inputs):
+        color = "black" if i is reference else f"C{n}"
+        label = i.name + (" (tuned S-SGD)" if i is reference else "") + ("" if i.reached_target else " (cap: lower bound)")
+        ax.plot([b / GBIT for b in grid], [projected_time(i, w, b, alpha) for b in grid], linewidth=1.4, color=color,
+                linestyle="-" if i.reached_target else "--", label=label)
+        ax.plot([b / GBIT for b in rates], [projected_time(i, w, b, alpha) for b in rates], "o", markersize=3, color=color)
+        meets = crossover(time_terms(i, w, alpha), time_terms(reference, w, alpha))[0] \
+            if reference is not None and i is not reference and i.reached_target else None
+        if meets is not None and grid[0] <= meets <= grid[-1]:
+            ax.plot([meets / GBIT], [projected_time(i, w, meets, alpha)], "x", markersize=8, color=color)
+        measured = [c for c in checks if c.name == i.name and c.measured_tta is not None and i.workers == w]
+        ax.plot([c.bits_per_second / GBIT for c in measured], [c.measured_tta for c in measured], "s", markersize=7,
+                markerfacecolor="none", color=color, label=f"{i.name}: measured behind a tc limit" if measured else None)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_title(f"{w} workers")
+    ax.set_xlabel("bandwidth between workers (Gbit/s)")
+    ax.grid(alpha=0.3, which="both")
+
+
+def draw(path, inputs, reference, checks, workers, rates, alpha):
     """projection.png: projected time to target against bandwidth, a line per series, a panel per W."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    low, high = math.log10(min(rates) / 10), math.log10(max(rates) * 10)
+    every = list(rates) + [c.bits_per_second for c in checks]
+    low, high = math.log10(min(every) / 10), math.log10(max(every) * 10)
     grid = [10 ** (low + (high - low) * j / 200) for j in range(201)]
-    fig, axes = plt.subplots(1, len(workers), figsize=(4.2 * len(workers), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(workers), figsize=(4.2 * len(workers), 4.4), squeeze=False)
     for ax, w in zip(axes[0], workers, strict=True):
-        for n, i in enumerate(inputs):
-            style = dict(color="black" if i is reference else f"C{n}", linestyle="-" if i.reached_target else "--")
-            ax.plot([b / GBIT for b in grid], [projected_time(i, w, b, alpha) for b in grid], linewidth=1.4,
-                    label=i.name + ("" if i.reached_target else " (cap: lower bound)"), **style)
-            ax.plot([b / GBIT for b in rates], [projected_time(i, w, b, alpha) for b in rates], "o", markersize=3,
-                    color=style["color"])
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(f"{w} workers")
-        ax.set_xlabel("bandwidth between workers (Gbit/s)")
-        ax.grid(alpha=0.3, which="both")
+        _draw_panel(ax, w, inputs, reference, checks, grid, rates, alpha)
     axes[0][0].set_ylabel("projected time to target (s)")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle("Projection, not a measurement: ring all-reduce model from this machine's measured runs", fontsize=9)
+    labelled = {}
+    for ax in axes[0]:   # the measured points are on the measured worker count's panel only
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labelled.setdefault(label, handle)
+    axes[0][-1].legend(list(labelled.values()), list(labelled), fontsize=6)
+    fig.suptitle("Projection, not a measurement: ring all-reduce model from this machine's measured runs "
+                 "(x: crossover with tuned S-SGD)", fontsize=9)
     fig.tight_layout()
     try:
         atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
@@ -496,13 +541,13 @@ def main(argv=None):
             raise ConfigError(f"{args.study}: no finished multi-worker run yet (runs/<series>/G{g}/*.json), "
                               "nothing to project")
         check_creatable(out, out, "projection folder")
-        checks = check_rows(args.study, spec, cells, inputs, alpha)
+        checks = limit_checks(args.study, spec, cells, inputs, alpha)
     except CrossbowError as e:
         return fail(PROG, e)
     text = markdown(args.study, spec, g, inputs, missing, per_byte, checks, workers, rates, alpha)
     os.makedirs(out, exist_ok=True)
     atomic_write_text(os.path.join(out, "projection.md"), text)
-    draw(os.path.join(out, "projection.png"), inputs, reference_series(inputs), workers, rates, alpha)
+    draw(os.path.join(out, "projection.png"), inputs, reference_series(inputs), checks, workers, rates, alpha)
     print(text[text.index("## Projected time to target"):text.index("![projected")].rstrip())
     print(f"\nwrote {os.path.join(out, 'projection.md')} and projection.png (a projection, not a measurement)")
     return 0
