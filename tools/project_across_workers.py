@@ -29,6 +29,7 @@ folder. Reads no TensorFlow.
 import argparse
 import dataclasses
 import glob
+import json
 import math
 import os
 import re
@@ -39,7 +40,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # a checkout's crossbow_tf
 from crossbow_tf.cli import OneLineParser, fail, path_argument  # noqa: E402
 from crossbow_tf.compare import study_report  # noqa: E402
-from crossbow_tf.compare.plan import describe, plan_study, trial_gpus  # noqa: E402
+from crossbow_tf.compare.plan import describe, plan_study  # noqa: E402
 from crossbow_tf.compare.report import fmt, markdown_table  # noqa: E402
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study  # noqa: E402
 from crossbow_tf.compare.stats import best_trial, seed_statistics  # noqa: E402
@@ -132,7 +133,7 @@ def open_study(folder, global_batch=None):
         raise ConfigError(f"{config}: the sweep: section has no series: (not a crossbow-reproduce study)")
     try:
         spec = parse_study(sections["sweep"], experiment)
-        cells = plan_study(spec, experiment, sections, gpus=trial_gpus(1, None))
+        cells = plan_study(spec, experiment, sections, gpus=study_gpus(folder))
     except ConfigError as e:
         raise ConfigError(f"{config}: {e}") from None
     g = max(spec.global_batches) if global_batch is None else global_batch
@@ -143,6 +144,18 @@ def open_study(folder, global_batch=None):
     if not multi:
         raise ConfigError(f"{config}: no series runs on several workers (workers: N), so there is no network to project")
     return spec, multi, g
+
+
+def study_gpus(folder):
+    """The GPU ids the study's machine had (its machine.json: a count or names; none without the file):
+    planned with those, the cells are the study's, and no process starts TensorFlow to count this
+    machine's."""
+    try:
+        with open(os.path.join(folder, "machine.json")) as f:
+            gpus = json.load(f).get("gpus") or 0
+    except (OSError, ValueError, AttributeError):
+        return []
+    return list(range(len(gpus) if isinstance(gpus, list) else int(gpus)))
 
 
 def chosen_runs(folder, spec, cell):
