@@ -27,7 +27,7 @@ GBIT = 1e9
 def inputs(name="x", method="localsgd", epochs=3.0, iterations_per_epoch=100, compute_ms=40.0, payload=4e6,
            syncs=None, reached=True, workers=2):
     return project.Inputs(
-        name=name, method=method, setting="", choice="", runs=1, reached=int(reached), epochs=epochs,
+        name=name, method=method, trial="t00", setting="", choice="", runs=1, reached=int(reached), epochs=epochs,
         reached_target=reached, iterations_per_epoch=iterations_per_epoch, workers=workers, compute_ms=compute_ms,
         compute_source="", step_ms=compute_ms, payload_bytes=payload,
         syncs=int(epochs * iterations_per_epoch) if syncs is None else syncs, schedule="", measured_tta=None, files=())
@@ -241,10 +241,14 @@ def test_the_check_compares_the_projection_with_runs_behind_a_limit(tmp_path):
     folder = write_study(tmp_path / "study")
     acc, algorithm, compute, _, _ = RUNS["localsgd_h4_2w"]
     # At 100 Mbit/s the all-reduce of 4.45 MB takes 356 ms by the model; the measured run says 400 ms.
-    limited = fake_run(acc, algorithm, compute, 400.0, None)
+    limited = dict(fake_run(acc, algorithm, compute, 400.0, None), network="100mbit")   # the runner's stamp
     path = folder / "runs" / "localsgd_h4_2w" / f"G{G}" / "net-100mbit" / "t00_s0.json"
     path.parent.mkdir()
     path.write_text(json.dumps(limited))
+    # Neither a run of another trial nor one whose results name another network is the chosen trial's.
+    other = fake_run(acc, algorithm, compute, 900.0, None)
+    (path.parent / "t01_s0.json").write_text(json.dumps(other))
+    (path.parent / "t00_s1.json").write_text(json.dumps(dict(other, network="1gbit")))
     out = tmp_path / "out"
     assert run_tool("--study", folder, "--out", out) == 0
     text = (out / "projection.md").read_text()

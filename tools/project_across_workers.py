@@ -61,6 +61,7 @@ class Inputs:
     """One series' measured inputs to the projection (medians over its chosen runs)."""
     name: str
     method: str
+    trial: str                  # the chosen trial's label (t00 ...)
     setting: str
     choice: str                 # how its runs were chosen (the study's best trial, or provisional)
     runs: int
@@ -219,7 +220,8 @@ def series_inputs(folder, cell, spec, chosen, rule, per_byte_ms):
         compute, source = step, "its whole step (all-reduce not timed apart, no engine series to estimate it)"
     iterations = int(round(effective * iterations_per_epoch))
     return Inputs(
-        name=cell.series.name, method=cell.series.method, setting=describe(trial["point"]) if trial["point"] else "fixed",
+        name=cell.series.name, method=cell.series.method, trial=trial["label"],
+        setting=describe(trial["point"]) if trial["point"] else "fixed",
         choice=how, runs=len(runs), reached=sum(s["reached"] for s in summaries), epochs=effective,
         reached_target=reached, iterations_per_epoch=iterations_per_epoch, workers=cross[0]["workers"],
         compute_ms=compute, compute_source=source, step_ms=step,
@@ -269,15 +271,19 @@ def limit_bits_per_second(folder_name):
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
 
 
-def limit_runs(folder, spec, cell):
-    """{limit folder name: [(summary, evaluations, results, path)]} of CELL's runs behind real limits."""
+def limit_runs(folder, spec, cell, trial):
+    """{limit folder name: [(summary, evaluations, results, path)]} of the runs of CELL's TRIAL (its label)
+    behind real limits (the limits phase's runs/<series>/G<g>/net-<limit>/<trial>_s<seed>.json); a run
+    whose results name another network (the runner's "network") is not taken."""
     found = {}
     pattern = os.path.join(folder, "runs", cell.series.name, f"G{cell.global_batch}", "net-*")
     for directory in sorted(glob.glob(pattern)):
         runs = []
-        for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        for path in sorted(glob.glob(os.path.join(directory, f"{trial}_s*.json"))):
             run = study_report._load(path, spec.target)
-            if run is not None and run[2].get("cross_worker"):
+            network = run and run[2].get("network")
+            if run is not None and run[2].get("cross_worker") and (
+                    network is None or f"net-{network.replace('/', '-')}" == os.path.basename(directory)):
                 runs.append((*run, path))
         if runs:
             found[os.path.basename(directory)] = runs
@@ -310,7 +316,7 @@ def limit_checks(folder, spec, cells, inputs, alpha):
     checks = []
     for cell in cells:
         i = by_name.get(cell.series.name)
-        for limit, runs in (limit_runs(folder, spec, cell).items() if i else ()):
+        for limit, runs in (limit_runs(folder, spec, cell, i.trial).items() if i else ()):
             rate = limit_bits_per_second(limit)
             if rate is None:
                 continue
