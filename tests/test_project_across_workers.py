@@ -329,6 +329,23 @@ def test_a_missing_or_empty_study_folder_is_one_line_and_writes_nothing(tmp_path
     _bad(capsys, ["--study", empty, "--out", out], "no finished multi-worker run yet", out)
     # With --out left to its default, the study's own folder gains nothing either.
     _bad(capsys, ["--study", empty], "no finished multi-worker run yet", empty / "projection.md")
+    # A results file without the multi-worker figures (an older run's) is no input to project from.
+    run = fake_run(*RUNS["ssgd_2w"])
+    del run["cross_worker"]
+    path = empty / "runs" / "ssgd_2w" / f"G{G}" / "t00_s0.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run))
+    _bad(capsys, ["--study", empty, "--out", out], "no finished multi-worker run yet", out)
+
+
+def test_a_study_without_several_workers_or_with_a_broken_config_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    one_worker = {name: {k: v for k, v in body.items() if k != "workers"} for name, body in SERIES.items()}
+    _bad(capsys, ["--study", write_study(tmp_path / "one", series=one_worker), "--out", out],
+         "no series runs on several workers", out)
+    broken = write_study(tmp_path / "broken")
+    (broken / "config.yaml").write_text("sweep: [unclosed\n")
+    _bad(capsys, ["--study", broken, "--out", out], "config.yaml", out)
 
 
 def test_an_out_that_is_a_file_is_refused_and_kept(study, tmp_path, capsys):

@@ -236,12 +236,30 @@ def rule_of(results):
     return make_rule(types.SimpleNamespace(**results["config"]["algorithm"]))
 
 
+CROSS_WORKER_KEYS = ("workers", "payload_bytes", "bytes_per_iteration", "step_ms_per_iteration")
+
+
+def projectable(results):
+    """Whether a run's results hold what the projection reads: a multi-worker run's cross_worker figures,
+    its iterations per epoch and a rule that can be rebuilt (older or foreign files may lack them)."""
+    cross = results.get("cross_worker")
+    if not isinstance(cross, dict) or any(cross.get(k) is None for k in CROSS_WORKER_KEYS):
+        return False
+    if not results.get("iterations_per_epoch"):
+        return False
+    try:
+        rule_of(results)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
 def read_study(folder, spec, cells):
     """(Inputs per series with finished runs, in the config's order; names of series with none)."""
     raw, missing = {}, []
     for cell in cells:
         chosen = chosen_runs(folder, spec, cell)
-        usable = chosen and [r for r in chosen[1] if r[2].get("cross_worker")]
+        usable = chosen and [r for r in chosen[1] if projectable(r[2])]
         if not usable:
             missing.append(cell.series.name)
             continue
@@ -282,7 +300,7 @@ def limit_runs(folder, spec, cell, trial):
         for path in sorted(glob.glob(os.path.join(directory, f"{trial}_s*.json"))):
             run = study_report._load(path, spec.target)
             network = run and run[2].get("network")
-            if run is not None and run[2].get("cross_worker") and (
+            if run is not None and projectable(run[2]) and (
                     network is None or f"net-{network.replace('/', '-')}" == os.path.basename(directory)):
                 runs.append((*run, path))
         if runs:
