@@ -415,7 +415,8 @@ def inputs_rows(inputs):
              "<br>".join(i.files)] for i in inputs]
 
 
-def formula_lines(alpha):
+def formula_lines(alpha, g, workers):
+    per_worker = ", ".join(f"{g / w:g} at W = {w}" for w in workers)
     return [
         "## The formula", "",
         "    T(W, B) = E * I * c * W0 / W  +  S * (2 (W - 1) / W * 8 P / B  +  2 (W - 1) * alpha)", "",
@@ -429,7 +430,9 @@ def formula_lines(alpha):
         "- **Assumed, not measured**: per-worker compute proportional to G / W at the fixed global batch G (so "
         "c x W0 / W); the epochs to target independent of W; the link used at its full rate (the measured "
         "loopback rate below says how far TensorFlow's gRPC ring on a CPU is from that); no overlap of "
-        "transfer with compute; no straggler waits beyond those inside the measured c.",
+        "transfer with compute; no straggler waits beyond those inside the measured c. Each worker holds G / W "
+        f"examples per iteration ({per_worker}): the fewer, the more a step's fixed costs (op dispatch, the "
+        "input pipeline) weigh, so the scaled compute is optimistic at large W.",
         "- Crossover against tuned S-SGD: with T = a + b / B (a = E I c W0 / W + 2 S (W - 1) alpha, "
         "b = 8 S x 2 (W - 1) / W x P), a series and S-SGD take equal times at "
         "B* = (b_x - b_s) / (a_s - a_x); where the series sends fewer bits (b_x < b_s) but computes longer "
@@ -452,7 +455,8 @@ def markdown(study, spec, g, inputs, missing, per_byte, checks, workers, rates, 
     """projection.md's text."""
     reference = reference_series(inputs)
     loopback = (f"At loopback on this machine, the engine's all-reduce took {per_byte * 1e6:.2f} ms per MB sent "
-                f"(median over its runs; {8e-6 / per_byte:.2f} Gbit/s effective)." if per_byte else "")
+                f"(median over its runs; {8e-6 / per_byte:.2f} Gbit/s effective)." if per_byte else
+                "The all-reduce rate at loopback is not known yet: no run of the engine's series has timed it.")
     return "\n".join([
         f"# {HEADING}", "",
         f"**A projection, not a measurement**: the time to {spec.target:.0%} test accuracy of the series of "
@@ -462,7 +466,7 @@ def markdown(study, spec, g, inputs, missing, per_byte, checks, workers, rates, 
         f"{' '.join(f'{b / GBIT:g}' for b in rates)} --workers {' '.join(map(str, workers))} "
         f"--alpha-us {alpha * 1e6:g}`.",
         "",
-        *formula_lines(alpha),
+        *formula_lines(alpha, g, workers),
         "## Measured inputs", "",
         "Per series: the chosen trial's runs (medians over them), each run file named. " + loopback, "",
         markdown_table(["series", "setting", "chosen", "reached", "E (epochs)", "I", "W0", "step ms", "c (compute ms)",
