@@ -5,7 +5,7 @@ import glob
 import json
 import os
 
-from crossbow_tf.compare import plan, plots
+from crossbow_tf.compare import across_workers, plan, plots
 from crossbow_tf.compare.plan import describe
 from crossbow_tf.compare.report import fmt, fmt_stat, markdown_table, relative_path, write_json
 from crossbow_tf.compare.runner import machine_info
@@ -668,9 +668,10 @@ def build_report(out, spec, cells, experiment, args):
     finished, planned = _finished_runs(states), plan.count_runs(spec, cells)
     verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
                                 [list(r) for r in rows])
+    workers_lines, workers_summary = across_workers.across_workers(out, spec, cells, states, _load)
     parts = [
         *_header_lines(out, experiment, args, machine, where, finished, planned),
-        "## Verdict", "", verdict_md, "",
+        "## Verdict", "", verdict_md, "", *workers_lines,
         *(["Read the verdict with the protocol notes under Half 1: they say where the protocol was not "
            "what it was planned to be.", ""] if spec.notes else []),
         *_beyond_section(beyond_md, beyond_rows, beyond_tables),
@@ -680,5 +681,8 @@ def build_report(out, spec, cells, experiment, args):
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(parts) + "\n")
     summary = _summary(machine, finished, planned, stats, rows, beyond_rows, tta, bench)
+    if workers_summary is not None:   # a multi-worker study's (no other study's summary changes)
+        summary["across_workers"] = workers_summary
     write_json(os.path.join(out, "summary.json"), summary)
-    return dict(verdict_markdown=verdict_md, beyond_markdown=beyond_md if beyond_rows else "", summary=summary)
+    return dict(verdict_markdown=verdict_md + ("\n\n" + "\n".join(workers_lines[:-1]) if workers_lines else ""),
+                beyond_markdown=beyond_md if beyond_rows else "", summary=summary)
