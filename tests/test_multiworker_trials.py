@@ -195,6 +195,7 @@ def test_a_two_worker_trial_behind_a_bandwidth_limit_in_namespaces_the_harness_m
     chief_log = (out / "runs" / "sma" / "t00_s0.log").read_text()
     assert f"# worker 0 of 2 in cbn{os.getpid()}x" in chief_log and "10.213." in chief_log
     assert results(record.path)["cross_worker"]["all_reduces"] == 20
+    assert results(record.path)["network"] == "100mbit"   # the results say which network they measured
     assert not [n for n in netns.namespaces() if n.startswith(f"cbn{os.getpid()}x")]   # removed
 
 

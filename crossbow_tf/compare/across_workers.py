@@ -9,7 +9,7 @@ from baselines import AVERAGING_METHODS
 from crossbow_tf.compare.report import fmt, markdown_table
 from crossbow_tf.compare.stats import cross_worker_statistics, seed_statistics
 
-CLAIMED_SPEEDUP = 1.3     # the issue's threshold, the paper's smallest TTA gain
+CLAIMED_SPEEDUP = 1.3     # the paper's smallest TTA gain; the issue's threshold across workers
 LOOPBACK = "loopback"
 
 
@@ -26,10 +26,12 @@ def limit_run_path(out, cell, limit, label, seed):
 def network_runs(out, spec, state, load):
     """{network: [loaded run (load's (summary, evaluations, data)) or None, per seed of spec.seeds]} of
     a multi-worker cell's best trial (STATE: study_report.cell_state's); {} before its search finished.
-    A limit's run counts only when its results say it ran behind that limit (the runner's "network")."""
+    A run counts only where its results say it ran (the runner's "network"; none on loopback)."""
     if not state["searched"]:
         return {}
-    runs = {LOOPBACK: [state["final"].get(s) for s in spec.seeds]}
+    # A run of the sweep made behind CROSSBOW_NETWORK (its results say so) is not a loopback run.
+    runs = {LOOPBACK: [r if r is None or "network" not in r[2] else None
+                       for r in (state["final"].get(s) for s in spec.seeds)]}
     for limit in spec.network_limits:
         found = [load(limit_run_path(out, state["cell"], limit, state["best"]["label"], s), spec.target)
                  for s in spec.seeds]

@@ -301,8 +301,9 @@ class Runner:
         start = time.time()
         code, error = self._spawn(job, paths, timeout, load, extra, slot)
         duration = time.time() - start
-        if job.network is not None:
-            _stamp_network(paths["json"], job.network)
+        limit = job.network or (self.network if job.workers > 1 and not self.hosts else None)
+        if limit is not None:   # the results say which network they measured (loopback: no "network")
+            _stamp_network(paths["json"], limit)
         with self._lock:
             self.durations.append(duration)
         record = _as_planned(self._record(job.label, job.seed, paths["json"], target, duration, load), job, slot)
