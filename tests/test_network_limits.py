@@ -266,6 +266,7 @@ def test_the_report_of_a_two_worker_study_has_a_column_per_network(limited_study
     assert summary["across_workers"]["points"][0]["series"]["sma_2w"]["loopback"]["tta"][0] == 1.0   # the stand-in's
     # No tuned S-SGD in this study: nothing to compare against, said so.
     assert summary["across_workers"]["points"][0]["verdicts"]["100mbit"]["verdict"] == "not measured"
+    assert "| not measured (the study has no tuned tf_ssgd series on these workers) |" in report
 
 
 def test_resuming_the_study_reruns_nothing_and_dry_run_lists_the_limits_runs(limited_study):

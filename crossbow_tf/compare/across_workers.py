@@ -94,8 +94,11 @@ def _figures(name, stat, cap):
             f"{fmt(stat['mb_per_iteration'], 2)} MB/iteration")
 
 
-def verdict_cell(judged, stats, cap):
+def verdict_cell(judged, stats, cap, lacking=None):
+    """The verdict's cell at one network; LACKING: the side of the comparison the study has no series of."""
     verdict, ratio, a, s = judged
+    if lacking:
+        return f"not measured (the study has no {lacking} on these workers)"
     if verdict == "not measured":
         done = sum(1 for st in stats.values() if st is not None and st["complete"])
         return f"not measured ({done} of {len(stats)} series finished on every seed)"
@@ -124,7 +127,8 @@ def across_workers(out, spec, cells, states, load):
         runs = {c.series.name: network_runs(out, spec, states[(c.series.name, g)], load) for c in at}
         stats = {net: {n: network_stats(runs[n][net]) if net in runs[n] else None for n in runs} for net in nets}
         judged = {net: judge(ssgd, averaging, stats[net]) for net in nets}
-        table.append([f"{claim(spec, workers)} (G={g})"] + [verdict_cell(judged[net], stats[net], spec.epochs)
+        lacking = None if ssgd and averaging else "tuned tf_ssgd series" if not ssgd else "averaging series"
+        table.append([f"{claim(spec, workers)} (G={g})"] + [verdict_cell(judged[net], stats[net], spec.epochs, lacking)
                                                             for net in nets])
         summary["points"].append(dict(global_batch=g, verdicts={
             net: dict(verdict=v, ratio=r, averaging=a, ssgd=s) for net, (v, r, a, s) in judged.items()},
@@ -149,7 +153,8 @@ def _figures_table(g, runs, stats, nets, cap):
 
 
 def _section(spec, workers, nets, table, series_words):
-    limits = ", ".join(f"{limit.rate} with {limit.delay} delay" for limit in spec.network_limits)
+    limits = ", ".join(f"{limit.rate} with {limit.delay} delay" if limit.delayed() else limit.rate
+                       for limit in spec.network_limits)
     return [f"### Across {workers} workers: a synchronisation period against tuned S-SGD, per network", "",
             f"Series: {series_words}. Each network's cell: the verdict, then the fastest averaging series' and the "
             "tuned S-SGD's median time to target over the seeds (training time, evaluation excluded), median "
