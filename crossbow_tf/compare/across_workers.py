@@ -134,7 +134,7 @@ def across_workers(out, spec, cells, states, load):
             net: dict(verdict=v, ratio=r, averaging=a, ssgd=s) for net, (v, r, a, s) in judged.items()},
             series={n: {net: stats[net][n] for net in nets} for n in runs}))
         lines += _figures_table(g, runs, stats, nets, spec.epochs)
-    return _section(spec, workers, nets, table, series_words=", ".join(c.series.name for c in multi)) + lines, summary
+    return _section(spec, workers, nets, table, series_words=", ".join(dict.fromkeys(c.series.name for c in multi))) + lines, summary
 
 
 def _figures_table(g, runs, stats, nets, cap):
