@@ -166,6 +166,8 @@ def test_the_across_workers_verdict_applies_the_1_3x_threshold_per_network():
     assert (verdicts["1gbit"]["verdict"], verdicts["1gbit"]["averaging"]) == ("holds", "local_2w")
     assert verdicts["1gbit"]["ratio"] == pytest.approx(1.3)
     assert verdicts["100mbit"]["verdict"] == "not measured"
+    # The limits phase's runs found (every seed at 1gbit; two series' at 100mbit) of those planned.
+    assert summary["limit_runs"] == dict(planned=3 * 2 * 3, finished=3 * 3 + 2 * 3)
     assert summary["claim"] == ("an averaging method with a synchronisation period reaches 50% at least 1.3x sooner "
                                 "in wall time than tuned synchronous SGD on 2 workers")
     table = "\n".join(lines)
@@ -259,6 +261,7 @@ def test_the_report_of_a_two_worker_study_has_a_column_per_network(limited_study
     report = (out / "report.md").read_text()
     assert "### Across 2 workers: a synchronisation period against tuned S-SGD, per network" in report
     assert "| claim | loopback | 100mbit |" in report
+    assert "- progress: 3 of 3 training runs finished" in report   # the sweep's two and the limit's
     assert "| sma_2w | 100mbit | 1/1 |" in report and "| sma_2w | loopback | 1/1 |" in report
     summary = json.loads((out / "summary.json").read_text())
     figures = summary["across_workers"]["points"][0]["series"]["sma_2w"]["100mbit"]

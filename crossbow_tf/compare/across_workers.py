@@ -114,7 +114,7 @@ def claim(spec, workers):
 def across_workers(out, spec, cells, states, load):
     """(markdown lines, summary mapping) of a multi-worker study: the claim's verdict per network and
     the series x network figures, per global batch where multi-worker series ran."""
-    multi = [c for c in cells if c.series.workers > 1 and not c.series.untuned]
+    multi = [c for c in cells if c.series.workers > 1]
     if not multi:
         return [], None
     workers = max(c.series.workers for c in multi)
@@ -122,8 +122,8 @@ def across_workers(out, spec, cells, states, load):
     lines, summary, table = [], dict(claim=claim(spec, workers), networks=nets, points=[]), []
     for g in sorted({c.global_batch for c in multi}):
         at = [c for c in multi if c.global_batch == g]
-        ssgd = [c.series.name for c in at if c.series.method == "tf_ssgd"]
-        averaging = [c.series.name for c in at if c.series.method in AVERAGING_METHODS]
+        ssgd = [c.series.name for c in at if c.series.method == "tf_ssgd" and not c.series.untuned]
+        averaging = [c.series.name for c in at if c.series.method in AVERAGING_METHODS and not c.series.untuned]
         runs = {c.series.name: network_runs(out, spec, states[(c.series.name, g)], load) for c in at}
         stats = {net: {n: network_stats(runs[n][net]) if net in runs[n] else None for n in runs} for net in nets}
         judged = {net: judge(ssgd, averaging, stats[net]) for net in nets}
@@ -134,6 +134,11 @@ def across_workers(out, spec, cells, states, load):
             net: dict(verdict=v, ratio=r, averaging=a, ssgd=s) for net, (v, r, a, s) in judged.items()},
             series={n: {net: stats[net][n] for net in nets} for n in runs}))
         lines += _figures_table(g, runs, stats, nets, spec.epochs)
+    # The limits phase's runs, for the report's progress line (limit_plan plans them for every multi-worker cell).
+    summary["limit_runs"] = dict(planned=len(multi) * len(spec.network_limits) * len(spec.seeds),
+                                 finished=sum(st["seeds"] for point in summary["points"]
+                                              for by_net in point["series"].values()
+                                              for net, st in by_net.items() if net != LOOPBACK and st))
     return _section(spec, workers, nets, table, series_words=", ".join(dict.fromkeys(c.series.name for c in multi))) + lines, summary
 
 

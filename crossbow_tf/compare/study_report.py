@@ -670,6 +670,9 @@ def build_report(out, spec, cells, experiment, args):
     verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
                                 [list(r) for r in rows])
     workers_lines, workers_summary = across_workers.across_workers(out, spec, cells, states, _load)
+    if workers_summary is not None:   # the limits phase's runs are part of the study's plan
+        finished += workers_summary["limit_runs"]["finished"]
+        planned += workers_summary["limit_runs"]["planned"]
     parts = [
         *_header_lines(out, experiment, args, machine, where, finished, planned),
         "## Verdict", "", verdict_md, "", *workers_lines,
