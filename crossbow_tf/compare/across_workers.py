@@ -139,7 +139,8 @@ def across_workers(out, spec, cells, states, load):
                                  finished=sum(st["seeds"] for point in summary["points"]
                                               for by_net in point["series"].values()
                                               for net, st in by_net.items() if net != LOOPBACK and st))
-    return _section(spec, workers, nets, table, series_words=", ".join(dict.fromkeys(c.series.name for c in multi))) + lines, summary
+    names = ", ".join(dict.fromkeys(c.series.name for c in multi))
+    return _section(spec, workers, nets, table, series_words=names) + lines, summary
 
 
 def _figures_table(g, runs, stats, nets, cap):

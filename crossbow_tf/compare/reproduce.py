@@ -57,7 +57,7 @@ def parse_args(argv):
     p.add_argument("--bench-examples", type=int, default=8192, help="images per measured bench epoch")
     p.add_argument("--bn-epochs", type=int, default=8, help="epochs of the BatchNorm run")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
-    trials_lib.add_arguments(p)   # a worker runs the sweep and limits phases' trials only (and the report once they are done)
+    trials_lib.add_arguments(p)   # a worker runs the sweep's and limits' trials only (and the report once done)
     args = p.parse_args(argv)
     args.phases_given, args.phases = args.phases is not None, args.phases or list(PHASES)
     return args
