@@ -171,14 +171,19 @@ def test_a_worker_killed_mid_trial_is_a_lost_worker_and_the_trial_runs_again(tmp
 
 
 def test_a_two_worker_trial_behind_a_bandwidth_limit_in_namespaces_the_harness_makes_and_removes(
-        tmp_path, data_dir, monkeypatch):
+        tmp_path, monkeypatch):
+    """The namespaces, links and TF_CONFIGs of a limited trial (its workers stand-ins: a real training
+    run behind a limit is tests/test_network_limits.py's)."""
     from crossbow_tf.compare import netns
-    from crossbow_tf.compare.spec import run_config
+    stand_in = tmp_path / "python"
+    stand_in.write_text(WORKER_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("STAND_IN_CALLS", str(tmp_path / "calls"))
     monkeypatch.setenv("CROSSBOW_NETWORK", "100mbit")
     out = tmp_path / "report"
     prepare_out_dir(str(out))
     lines = []
-    runner = Runner(str(out), 1, out=open(os.devnull, "w"))
+    runner = Runner(str(out), 1, out=open(os.devnull, "w"), python=str(stand_in))
     runner.say = lines.append
     assert runner.network == netns.Limit("100mbit", "0ms"), lines   # this machine allows namespaces
     shaped = []
@@ -188,13 +193,17 @@ def test_a_two_worker_trial_behind_a_bandwidth_limit_in_namespaces_the_harness_m
         shaped.append(subprocess.run(command[:4] + ["tc", "qdisc", "show"], capture_output=True, text=True).stdout)
         return real_start(index, command, *args, **kwargs)
     monkeypatch.setattr(launch, "start", start)
-    experiment, _ = run_config(tiny_experiment(data_dir), {}, "sma", {}, seed=0, target=0.99, epochs=1, where="test")
-    record = runner.run_job(Job("sma", experiment, None, "sma", "t00_s0", "t00", 0, workers=2), 0.99, 600)
+    record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", "t00_s0", "t00", 0, workers=2), 0.5, 60)
     assert record.summary is not None, (record.error, lines)
     assert len(shaped) == 2 and all("tbf" in s and "rate 100Mbit" in s for s in shaped), shaped
     chief_log = (out / "runs" / "sma" / "t00_s0.log").read_text()
-    assert f"# worker 0 of 2 in cbn{os.getpid()}x" in chief_log and "10.213." in chief_log
-    assert results(record.path)["cross_worker"]["all_reduces"] == 20
+    assert f"# worker 0 of 2 in cbn{os.getpid()}x" in chief_log and "(100mbit, 0ms delay)" in chief_log
+    # Each worker reached the other on its namespace's address.
+    configs = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    hosts = {tuple(c["cluster"]["worker"]) for c in configs}
+    assert len(configs) == 2 and len(hosts) == 1, configs
+    assert all(h.startswith("10.213.") and h.endswith(":2222") for h in next(iter(hosts))), hosts
+    assert results(record.path)["network"] == "100mbit"   # the results say which network they measured
     assert not [n for n in netns.namespaces() if n.startswith(f"cbn{os.getpid()}x")]   # removed
 
 

@@ -92,16 +92,21 @@ def plan_items(phases, interleaved=False):
     return items, jobs
 
 
-def search_then_replicate(phases, runner, target, timeout, interleaved=False):
-    """Runs PHASES' groups (plan_items' order) as the runner's study; {group name: its outcome}."""
+def search_then_replicate(phases, runner, target, timeout, interleaved=False, limit_runs=()):
+    """Runs PHASES' groups (plan_items' order), then LIMIT_RUNS (limit_plan's), as the runner's
+    study; {group name: its outcome}."""
     groups = {group.name: group for phase in phases for group in phase}
     items, jobs = plan_items(phases, interleaved)
+    at_limit = {run.item.key: run for run in limit_runs}
+    items += [run.item for run in limit_runs]
 
     def resolve(item):
         if not item.replicate:
             return jobs[item.key]
         group = groups[item.group]
-        return group.job(group.best(runner, current_attrs(runner), target), item.seed, best=True)
+        best = group.best(runner, current_attrs(runner), target)
+        job = group.job(best, item.seed, best=True)
+        return at_limit[item.key].job(job) if item.key in at_limit else job
     attrs = execute(runner, items, resolve, target, timeout)
     return {name: group.outcome(runner, attrs, target) for name, group in groups.items()}
 
@@ -210,25 +215,59 @@ def study_phases(spec, cells):
     return [[cell_group(spec, cell) for cell in cells if cell.global_batch == g] for g in points]
 
 
-def study_items(spec, cells):
+@dataclasses.dataclass(frozen=True)
+class LimitRun:
+    """A run of the limits phase: its cell's best trial on SEED, each worker behind LIMIT."""
+    item: trials_lib.Item      # "<series>/G<g>/net-<limit>/best_s<seed>", claimable once the cell's search is done
+    limit: object              # netns.Limit
+    cell: object
+
+    @property
+    def subdir(self):
+        return f"{self.item.group}/net-{self.limit.label()}"
+
+    def job(self, best_job):
+        """The cell's best trial's Job (BEST_JOB, on this run's seed) behind the limit, in its folder."""
+        return dataclasses.replace(best_job, subdir=self.subdir, network=self.limit,
+                                   label=f"{best_job.label} at {self.limit.text()}")
+
+
+def limit_plan(spec, cells):
+    """[LimitRun] of the study's limits phase: at each of spec.network_limits, the best trial of every
+    multi-worker cell on every seed (the series taking turns within a seed when the study's order is
+    interleaved, else each cell's seeds one after another). One-worker cells have no network: none."""
+    runs = []
+    for limit in spec.network_limits:
+        per_cell = [[LimitRun(trials_lib.Item(f"{cell_group(spec, cell).name}/net-{limit.label()}/best_s{seed}",
+                                              cell_group(spec, cell).name, seed, replicate=True), limit, cell)
+                     for seed in spec.seeds] for cell in cells if cell.series.workers > 1]
+        runs += _taking_turns(per_cell) if spec.order == "interleaved" else itertools.chain.from_iterable(per_cell)
+    return runs
+
+
+def study_items(spec, cells, limits=False):
     """(items, {key: Job} of the search runs, {group: cell}) of the reproduction study, its trials in
     the order one process runs them (point by point: every cell's search, then every cell's
-    replications)."""
+    replications; with LIMITS, then the limits phase's runs, limit_plan)."""
     items, jobs = plan_items(study_phases(spec, cells), spec.order == "interleaved")
+    items += [run.item for run in limit_plan(spec, cells)] if limits else []
     return items, jobs, {cell_group(spec, cell).name: cell for cell in cells}
 
 
-def run_study(spec, cells, runner):
+def run_study(spec, cells, runner, limits=False):
     """Point by point, in the order of the global batches given: every cell's search trials at that
     point on the search seeds, then each cell's best trial on every seed (the order of the trials in
     the study; one process runs them in this order, so a study stopped part-way has whole points,
     searched and replicated, before the one it stopped in; side by side, a replication starts once
     its cell's search has finished).
 
+    With LIMITS, then the limits phase (limit_plan): each multi-worker cell's best trial on every seed
+    behind each of spec.network_limits, its files under runs/<series>/G<g>/net-<limit>/.
+
     Returns {(series name, G): outcome dict}. Trials are ranked by fewest median epochs to target,
     then time (best_trial(by="epochs")): the study's question is statistical efficiency.
     """
     outcome = search_then_replicate(study_phases(spec, cells), runner, spec.target, spec.timeout,
-                                    spec.order == "interleaved")
+                                    spec.order == "interleaved", limit_plan(spec, cells) if limits else ())
     return {(cell.series.name, cell.global_batch): dict(cell=cell, **outcome[cell_group(spec, cell).name])
             for cell in cells}

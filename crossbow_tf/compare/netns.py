@@ -41,6 +41,17 @@ class Limit:
     def describe(self):
         return f"{self.rate}, {self.delay} delay"
 
+    def delayed(self):
+        return re.fullmatch(r"0+(\.0+)?(us|ms|s)", self.delay) is None
+
+    def text(self):
+        """As written in a config or CROSSBOW_NETWORK: '100mbit', '100mbit/1ms' (parse's inverse)."""
+        return f"{self.rate}/{self.delay}" if self.delayed() else self.rate
+
+    def label(self):
+        """A file name's form of text(), without '/': '100mbit', '100mbit-1ms'."""
+        return self.text().replace("/", "-")
+
 
 def _run(*command):
     done = subprocess.run(command, capture_output=True, text=True)
@@ -127,7 +138,7 @@ class Network:
         """DEVICE's egress: netem's delay (when there is one; the kernel needs sch_netem), then a
         token bucket at the rate."""
         token_bucket = ["tbf", "rate", self.limit.rate, "burst", "256kb", "latency", "100ms"]
-        if re.fullmatch(r"0+(\.0+)?(us|ms|s)", self.limit.delay):
+        if not self.limit.delayed():
             self._in(ns, "tc", "qdisc", "add", "dev", device, "root", "handle", "1:", *token_bucket)
             return
         self._in(ns, "tc", "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", "delay", self.limit.delay)
@@ -147,10 +158,16 @@ class Network:
         self.made = []
 
 
-def check_available():
-    """None when this machine lets us make namespaces, else the one-line reason."""
+def refusal():
+    """None when this machine lets us make namespaces, else why not (one line)."""
     try:
         with Network(2, Limit("1gbit")):
             return None
     except (NetworkError, FileNotFoundError, PermissionError) as e:
-        return f"network namespaces are not available here ({e}); workers run on loopback only"
+        return f"network namespaces are not available here ({e})"
+
+
+def check_available():
+    """None when this machine lets us make namespaces, else the one-line reason (loopback follows)."""
+    refused = refusal()
+    return None if refused is None else f"{refused}; workers run on loopback only"

@@ -2,10 +2,14 @@
 
 (Also python -m crossbow_tf.reproduce, and a checkout's python tools/reproduce.py.)
 
-Four phases, each resumable (--resume reuses every finished run and measurement):
+Five phases, each resumable (--resume reuses every finished run and measurement):
   sweep   half 1, statistical efficiency: epochs to target against the global batch G for every
           series of the config's sweep: section (crossbow_tf/compare/plan.py), equal search
           budgets, the best trial per point on several seeds;
+  limits  a multi-worker study's network limits (sweep.network_limits: [1gbit, 100mbit]): each
+          multi-worker series' best trial of the sweep again on every seed, each worker in a network
+          namespace behind each limit (crossbow_tf/compare/netns.py), trials of the same study
+          (the sweep's runs not yet finished run first: the best trial must be known);
   bench   half 2, hardware efficiency: at each G, fused SMA's images/s against one plain Keras model
           at batch G and at batch b, side by side in one process (tools/bench_throughput.py);
   bn      z's test accuracy with the learners' averaged BatchNorm statistics against statistics
@@ -25,17 +29,18 @@ import subprocess
 import sys
 import time
 
-from crossbow_tf.compare import study_report
+from crossbow_tf.compare import netns, study_report
 from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_devices, trial_gpus
 from crossbow_tf.compare.report import check_report_dir, command_line, copy_config, relative_path, write_json
+from crossbow_tf.compare.loops import limit_plan
 from crossbow_tf.compare.runner import check_study, PACKAGE_ROOT, machine_info, open_study, run_study, Runner
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
 from crossbow_tf.device_choice import visible_gpu_ids
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.files import recorded_path
 
-PHASES = ("sweep", "bench", "bn", "report")
+PHASES = ("sweep", "limits", "bench", "bn", "report")
 # The throughput bench is a checkout's tools/bench_throughput.py.
 TOOLS = os.path.join(PACKAGE_ROOT, "tools")
 
@@ -47,13 +52,42 @@ def parse_args(argv):
     p.add_argument("--data-dir", help="directory of the data set's files (overrides data.data_dir in every run)")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
     p.add_argument("--resume", action="store_true", help="continue an existing report directory (same settings)")
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="phases to run (in order)")
+    p.add_argument("--phases", nargs="+", choices=PHASES, help="phases to run (in order; default: all)")
     p.add_argument("--bench-rounds", type=int, default=3, help="interleaved rounds of the throughput bench")
     p.add_argument("--bench-examples", type=int, default=8192, help="images per measured bench epoch")
     p.add_argument("--bn-epochs", type=int, default=8, help="epochs of the BatchNorm run")
     p.add_argument("--dry-run", action="store_true", help="validate and list the runs without running them")
-    trials_lib.add_arguments(p)   # a worker runs the sweep phase's trials only (and the report once they are done)
-    return p.parse_args(argv)
+    trials_lib.add_arguments(p)   # a worker runs the sweep's and limits' trials only (and the report once done)
+    args = p.parse_args(argv)
+    args.phases_given, args.phases = args.phases is not None, args.phases or list(PHASES)
+    return args
+
+
+def limits_phase(args, spec, cells, say):
+    """True when the limits phase runs: asked for, with sweep.network_limits, multi-worker series and
+    a machine that makes network namespaces; else False, with one line saying why (a study without
+    network_limits says nothing unless --phases named limits). One-worker series are left out, in one line."""
+    if "limits" not in args.phases:
+        return False
+    if not spec.network_limits:
+        if args.phases_given:
+            say("reproduce: limits: the config's sweep has no network_limits; nothing to run at limits")
+        return False
+    alone = list(dict.fromkeys(c.series.name for c in cells if c.series.workers == 1))
+    if alone:
+        say(f"reproduce: limits: {', '.join(alone)} run on one worker (no network between workers): "
+            "not run at the limits")
+    if len(alone) == len({c.series.name for c in cells}):
+        return False
+    if os.environ.get("CROSSBOW_HOSTS") or os.environ.get("CROSSBOW_HOSTFILE"):
+        say("reproduce: limits: the phase runs its workers on this machine in network namespaces, not on "
+            "CROSSBOW_HOSTS/CROSSBOW_HOSTFILE's hosts; not run")
+        return False
+    refused = netns.refusal()
+    if refused:
+        say(f"reproduce: limits: {refused}; the phase is not run (no loopback runs labelled as limited)")
+        return False
+    return True
 
 
 def build(args):
@@ -183,6 +217,26 @@ def bn_run_config(experiment, sections, spec, epochs):
     return g, exp, opts
 
 
+def _dry_run(args, experiment, spec, cells, jobs, total, limits):
+    """--dry-run: the checks the run would make, and its runs listed, nothing written."""
+    check_study(args, args.out)
+    check_report_dir(args.out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
+    for cell in cells:
+        for label, point, _ in cell.trials:
+            print(f"{cell.series.name} G={cell.global_batch} k={cell.k} {label}: {describe(point)}")
+    for run in (limit_plan(spec, cells) if limits else []):
+        if run.item.seed == spec.seeds[0]:
+            print(f"{run.cell.series.name} G={run.cell.global_batch} behind {run.limit.text()}: the sweep's best "
+                  f"trial on seeds {spec.seeds}, on {run.cell.series.workers} workers (runs/{run.subdir}/)")
+    for b, ks, devices in jobs:
+        base, cmd = bench_command(args.out, experiment, b, ks, devices, args.bench_rounds, args.bench_examples)
+        reused = args.resume and _reusable_bench(base, cmd, ks) is not None
+        print(f"bench b={b} k={ks} on {devices} device(s)"
+              + (f": done before, --resume reuses {os.path.relpath(base)}.json" if reused else ""))
+    print(f"{total} training runs (at most), budget {spec.describe_budget()}")
+    return 0
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # Relative to this folder: the runs are given (and so record) paths that name no machine's folders.
@@ -190,22 +244,12 @@ def main(argv=None):
     try:
         experiment, sections, spec, cells = build(args)
         jobs = bench_jobs(spec, cells)
-        total = count_runs(spec, cells) + ("bn" in args.phases)
-        if args.dry_run:
-            check_study(args, args.out)
-            check_report_dir(args.out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
-            for cell in cells:
-                for label, point, _ in cell.trials:
-                    print(f"{cell.series.name} G={cell.global_batch} k={cell.k} {label}: {describe(point)}")
-            for b, ks, devices in jobs:
-                base, cmd = bench_command(args.out, experiment, b, ks, devices, args.bench_rounds, args.bench_examples)
-                reused = args.resume and _reusable_bench(base, cmd, ks) is not None
-                print(f"bench b={b} k={ks} on {devices} device(s)"
-                      + (f": done before, --resume reuses {os.path.relpath(base)}.json" if reused else ""))
-            print(f"{total} training runs (at most), budget {spec.describe_budget()}")
-            return 0
         if args.worker:
-            args.phases = [p for p in args.phases if p in ("sweep", "report")]
+            args.phases = [p for p in args.phases if p in ("sweep", "limits", "report")]
+        limits = limits_phase(args, spec, cells, print)
+        total = count_runs(spec, cells) + ("bn" in args.phases) + (len(limit_plan(spec, cells)) if limits else 0)
+        if args.dry_run:
+            return _dry_run(args, experiment, spec, cells, jobs, total, limits)
         study = open_study(args, args.out)
         trials_lib.remember_name(study, args.out)
     except CrossbowError as e:
@@ -222,7 +266,7 @@ def main(argv=None):
     runner = Runner(out, total, resume=True, trials=study)
     runner.say(f"reproduce: {len(cells)} cells, {total} runs at most, phases {' '.join(args.phases)}, report in {out}")
     try:
-        outcome = run_study(spec, cells, runner) if "sweep" in args.phases else None
+        outcome = run_study(spec, cells, runner, limits=limits) if "sweep" in args.phases or limits else None
         if outcome is not None and not runner.study.complete():
             print("reproduce: the study is not complete (runs whose workers died too often); rerun with --resume",
                   file=sys.stderr)

@@ -34,6 +34,7 @@ from crossbow_tf import config as config_lib
 from crossbow_tf.compare.report import fmt, relative_path
 from crossbow_tf.compare.stats import run_summary
 from crossbow_tf.errors import ConfigError, CrossbowError
+from crossbow_tf.files import atomic_write_text
 from crossbow_tf.results import format_problems
 
 # Where the crossbow_tf package lives (a checkout or site-packages): the runs get it on their path,
@@ -65,6 +66,7 @@ class Job:
     label: str
     seed: int
     workers: int = 1               # worker processes of a multi-worker run (the harness starts them)
+    network: netns.Limit = None    # its workers behind this limit (the limits phase); None: the runner's
 
     @property
     def key(self):
@@ -299,6 +301,9 @@ class Runner:
         start = time.time()
         code, error = self._spawn(job, paths, timeout, load, extra, slot)
         duration = time.time() - start
+        limit = job.network or (self.network if job.workers > 1 and not self.hosts else None)
+        if limit is not None:   # the results say which network they measured (loopback: no "network")
+            _stamp_network(paths["json"], limit)
         with self._lock:
             self.durations.append(duration)
         record = _as_planned(self._record(job.label, job.seed, paths["json"], target, duration, load), job, slot)
@@ -384,9 +389,15 @@ class Runner:
             return 2, self.hosts_error
         if self.hosts and len(self.hosts) < job.workers:
             return 2, f"{job.workers} workers need {job.workers} hosts; CROSSBOW_HOSTS/CROSSBOW_HOSTFILE name {len(self.hosts)}"
+        limit = job.network or self.network
+        if job.network is not None and (job.workers == 1 or self.hosts):
+            return 2, (f"a run behind {job.network.text()} needs its {job.workers} worker(s) started here in "
+                       "namespaces" + (", not on CROSSBOW_HOSTS/CROSSBOW_HOSTFILE's hosts" if self.hosts else ""))
         with contextlib.ExitStack() as stack:
-            net = stack.enter_context(netns.Network(job.workers, self.network)) if (
-                self.network and job.workers > 1) else None
+            try:
+                net = stack.enter_context(netns.Network(job.workers, limit)) if limit and job.workers > 1 else None
+            except (netns.NetworkError, OSError) as e:   # the machine refused namespaces: a failed trial
+                return 2, f"network namespaces behind {limit.text()}: {e}"
             configs = (launch.tf_configs(job.workers, net.addresses if net else self.hosts) if job.workers > 1
                        else [None])
             processes = []
@@ -400,12 +411,25 @@ class Runner:
                 if load:
                     log.write(f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
                 if tf_config is not None:
-                    where = f" in {net.name(i)} ({self.network.describe()})" if net else ""
+                    where = f" in {net.name(i)} ({limit.describe()})" if net else ""
                     log.write(f"# worker {i} of {job.workers}{where}: TF_CONFIG={tf_config}\n")
                 processes.append(launch.start(i, command, dict(env, **own_env), here, log,
                                               slot.cpus if slot is not None else None))
             error = launch.supervise(processes, timeout, on_line)
         return launch.outcome(processes, error)
+
+def _stamp_network(path, limit):
+    """Writes into the results file at PATH (when the run wrote one) the limit its workers ran behind:
+    ``"network": "100mbit"`` (netns.Limit.text), so that the file says what it measured."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict):
+        data["network"] = limit.text()
+        atomic_write_text(path, json.dumps(data, indent=1, allow_nan=False))
+
 
 def _as_planned(record, job, slot):
     """RECORD, refused (summary None, one line) when its run trained with another k or global batch
@@ -419,6 +443,10 @@ def _as_planned(record, job, slot):
         data = json.load(f)
     got = (data.get("num_learners"), data.get("global_batch"))
     workers = data.get("workers", 1)
+    if job.network is not None and data.get("network") != job.network.text():
+        record.summary = None
+        record.error = (f"ran on {data.get('network') or 'loopback'}, planned behind {job.network.text()}: refused")
+        return record
     # Results name their global batch since issue 30 (older ones, and stand-ins of tests, are not checked).
     if k is not None and "global_batch" in data and (got != (k * job.workers, global_batch * job.workers)
                                                      or workers != job.workers):

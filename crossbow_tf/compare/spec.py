@@ -10,6 +10,7 @@ import os
 from baselines import METHODS
 from baselines._cli import parse_tf_ssgd_options, read_yaml, split_sections
 from crossbow_tf import config as config_lib
+from crossbow_tf.compare import netns
 from crossbow_tf.compare.launch import MULTI_WORKER_METHODS
 from crossbow_tf.errors import ConfigError
 from crossbow_tf.user_model import locate_model
@@ -267,6 +268,9 @@ class StudySpec(SearchProtocol):
     # "series": each series' trials one after another; "interleaved": the series take turns, trial
     # by trial, so that a drift in the machine's load falls on every series alike.
     order: str = "series"
+    # The limits phase: every multi-worker series' best trial again on every seed, each worker behind
+    # each of these (netns.Limit; crossbow-reproduce --phases ... limits).
+    network_limits: list = dataclasses.field(default_factory=list)
 
     def budget_at(self, g):
         return self.point_budgets.get(g, self.budget)
@@ -323,7 +327,7 @@ def _series(name, body, where, points):
 def parse_study(section, experiment, where="sweep"):
     """StudySpec from a sweep: mapping with series (see the module doc)."""
     _known(section, ("global_batches", "series", "budget", "search_seeds", "seeds", "target", "epochs",
-                     "timeout", "notes", "point_budgets", "order"), where)
+                     "timeout", "notes", "point_budgets", "order", "network_limits"), where)
     notes = section.get("notes", [])
     _need(isinstance(notes, list) and all(isinstance(n, str) and n.strip() for n in notes),
           f"{where}.notes: expected a list of sentences, got {notes!r}")
@@ -337,11 +341,29 @@ def parse_study(section, experiment, where="sweep"):
         **_protocol(section, experiment, where, budget=3, timeout=1800),
         notes=[" ".join(n.split()) for n in notes],
         point_budgets=_point_budgets(section.get("point_budgets"), points, f"{where}.point_budgets"),
-        order=section.get("order", "series"))
+        order=section.get("order", "series"),
+        network_limits=_network_limits(section.get("network_limits"), f"{where}.network_limits"))
     _need(spec.order in ("series", "interleaved"),
           f"{where}.order: expected series or interleaved, got {spec.order!r}")
     _need(any(not s.untuned for s in spec.series), f"{where}.series: at least one series must be searched")
     return spec
+
+
+def _network_limits(value, where):
+    """[netns.Limit] of a list of RATE[/DELAY] texts ([1gbit, 100mbit/1ms]); [] when not given."""
+    if value is None:
+        return []
+    _need(isinstance(value, list) and value and all(isinstance(v, str) for v in value),
+          f"{where}: expected a list of limits RATE[/DELAY] such as [1gbit, 100mbit], got {value!r}")
+    limits = []
+    for text in value:
+        try:
+            limits.append(netns.Limit.parse(text))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    labels = [limit.label() for limit in limits]
+    _need(len(set(labels)) == len(labels), f"{where}: a limit is listed twice ({value})")
+    return limits
 
 
 def _point_budgets(value, points, where):

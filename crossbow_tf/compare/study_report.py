@@ -5,7 +5,7 @@ import glob
 import json
 import os
 
-from crossbow_tf.compare import plan, plots
+from crossbow_tf.compare import across_workers, plan, plots
 from crossbow_tf.compare.plan import describe
 from crossbow_tf.compare.report import fmt, fmt_stat, markdown_table, relative_path, write_json
 from crossbow_tf.compare.runner import machine_info
@@ -15,7 +15,8 @@ from crossbow_tf.results import format_problems
 
 NEAR_SMALL_BATCH = 1.5      # "SMA's epochs stay near small-batch training": within this factor
 ABOUT_ONE_MODEL = 0.8       # "k learners cost about one model at k*b": at least this images/s ratio
-CLAIMED_SPEEDUP = 1.3       # the paper's smallest TTA gain
+# The paper's smallest TTA gain, also issue 29's threshold across workers: one number, in across_workers.
+CLAIMED_SPEEDUP = across_workers.CLAIMED_SPEEDUP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -668,9 +669,13 @@ def build_report(out, spec, cells, experiment, args):
     finished, planned = _finished_runs(states), plan.count_runs(spec, cells)
     verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
                                 [list(r) for r in rows])
+    workers_lines, workers_summary = across_workers.across_workers(out, spec, cells, states, _load)
+    if workers_summary is not None:   # the limits phase's runs are part of the study's plan
+        finished += workers_summary["limit_runs"]["finished"]
+        planned += workers_summary["limit_runs"]["planned"]
     parts = [
         *_header_lines(out, experiment, args, machine, where, finished, planned),
-        "## Verdict", "", verdict_md, "",
+        "## Verdict", "", verdict_md, "", *workers_lines,
         *(["Read the verdict with the protocol notes under Half 1: they say where the protocol was not "
            "what it was planned to be.", ""] if spec.notes else []),
         *_beyond_section(beyond_md, beyond_rows, beyond_tables),
@@ -680,5 +685,8 @@ def build_report(out, spec, cells, experiment, args):
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(parts) + "\n")
     summary = _summary(machine, finished, planned, stats, rows, beyond_rows, tta, bench)
+    if workers_summary is not None:   # a multi-worker study's (no other study's summary changes)
+        summary["across_workers"] = workers_summary
     write_json(os.path.join(out, "summary.json"), summary)
-    return dict(verdict_markdown=verdict_md, beyond_markdown=beyond_md if beyond_rows else "", summary=summary)
+    return dict(verdict_markdown=verdict_md + ("\n\n" + "\n".join(workers_lines[:-1]) if workers_lines else ""),
+                beyond_markdown=beyond_md if beyond_rows else "", summary=summary)
