@@ -81,16 +81,19 @@ def test_rescaling_normalization_and_augmentation_layers_train_as_replicated(cpu
     assert_same_training(augmented_images, (12, 12, 3), 4, cpu_devices[:2], m=2, b=4, lr=0.01)
 
 
+# One device: these layers' fused forms are per device, and a second device's copy of the step
+# (traced again, about 3 CPU s a model) checks nothing new. Learners on a second device drawing
+# their own dropout masks and augmentations are checked above and in tests/test_fused.py.
 def test_depthwise_and_separable_convolutions_and_dense_on_images_train_as_replicated(cpu_devices):
-    assert_same_training(depthwise_and_separable, (12, 12, 3), 4, cpu_devices[:2], m=2, b=4)
+    assert_same_training(depthwise_and_separable, (12, 12, 3), 4, cpu_devices[:1], m=2, b=4)
 
 
 def test_conv1d_and_sequence_layers_train_as_replicated(cpu_devices):
-    assert_same_training(sequences, (20, 3), 4, cpu_devices[:2], m=2, b=4)
+    assert_same_training(sequences, (20, 3), 4, cpu_devices[:1], m=2, b=4)
 
 
 def test_nested_sequential_and_functional_models_train_as_replicated(cpu_devices):
-    assert_same_training(nested_blocks, (10, 10, 3), 4, cpu_devices[:2], m=2, b=4)
+    assert_same_training(nested_blocks, (10, 10, 3), 4, cpu_devices[:1], m=2, b=4)
 
 
 def every_other_image_layer(input_shape=(12, 12, 3), num_classes=4):
