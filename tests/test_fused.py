@@ -102,11 +102,14 @@ def test_fused_equals_replicated_on_resnet32(cpu_devices):
     assert_same_training(shallow, (16, 16, 3), 10, cpu_devices[:1], m=2, b=8, steps=3, lr=0.001)
 
 
-# ResNet-50's layer kinds with one bottleneck per stage, plus one identity bottleneck in stage 1:
-# the 7x7/2 stem, max-pool, projection bottlenecks (stride 1 and 2) and an identity one. The model's
-# other 11 bottlenecks repeat these and cost only tracing (most of this test's CPU).
-RESNET50_ONE_OF_EACH_BLOCK = ((64, 2), (128, 1), (256, 1), (512, 1))
-RESNET50_MODULE = importlib.import_module("crossbow_tf.models.resnet50")   # the package exports the function
+# The paper models' layer kinds with fewer repeats (the first step's tracing and compiling, most of
+# this test's CPU, grows with the layer count, not the input). ResNet-50: one bottleneck per stage,
+# plus an identity one in stage 1: the 7x7/2 stem, max-pool, projection bottlenecks (stride 1 and 2)
+# and an identity one; the other 11 repeat these. VGG-16: all 5 stages and the head, 2 convolutions
+# in the first two stages (dropout 0.3 after the net's first, 0.4 after the others) and 1 in the last
+# three; the other 6 repeat these. The packages export the functions, not the modules.
+SHALLOW_STAGES = {"resnet50": ((64, 2), (128, 1), (256, 1), (512, 1)),
+                  "vgg16": ((64, 2), (128, 2), (256, 1), (512, 1), (512, 1))}
 
 
 @pytest.mark.parametrize("name, shape, classes", [("vgg16", (32, 32, 3), 10), ("resnet50", (32, 32, 3), 10)])
@@ -116,7 +119,7 @@ def test_fused_step_equals_replicated_step_on_paper_models(name, shape, classes,
     # 32x32 is the smallest input both take (VGG-16 halves it 5 times; ResNet-50's 32x downsampling
     # ends at 1x1); 10 classes and 2 examples per learner (BatchNorm's smallest batch with a
     # variance) keep every layer in the step, and the learners' check needs most tensors to move.
-    monkeypatch.setattr(RESNET50_MODULE, "STAGES", RESNET50_ONE_OF_EACH_BLOCK)
+    monkeypatch.setattr(importlib.import_module(f"crossbow_tf.models.{name}"), "STAGES", SHALLOW_STAGES[name])
     assert_same_training(MODELS[name], shape, classes, cpu_devices[:1], m=2, b=2, steps=1, lr=0.001)
 
 

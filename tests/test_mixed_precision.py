@@ -112,7 +112,7 @@ def test_fused_equals_replicated_and_computes_in_the_policy(cpu_devices, float32
     assert {layer.compute_dtype for layer in fused.model.layers[1:-1]} == {policy.split("_")[1]}
     for engine in (fused, replicated):
         assert len(engine.center) == 1
-        stacks = [v for d in range(1) for v in engine.center[d] + engine.center_velocity[d] + engine.weights[d]
+        stacks = [v for d in range(len(engine.center)) for v in engine.center[d] + engine.center_velocity[d] + engine.weights[d]
                   + engine.velocities[d]]
         assert stacks and {v.dtype.name for v in stacks} == {"float32"}
     z_apart = distance(fused.center_weights(), replicated.center_weights())
