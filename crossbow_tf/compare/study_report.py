@@ -92,7 +92,7 @@ def fidelity(stock_devices):
   depends on the CPU), no XLA."""
 
 
-def _load(path, target):
+def load_run(path, target):
     """(summary, evaluations, extra) of one results file, or None when it is missing or unusable."""
     if not os.path.exists(path):
         return None
@@ -120,7 +120,7 @@ def cell_state(out, spec, cell):
     seeds = sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
     trials = []
     for label, point, _ in cell.trials:
-        runs = {s: _load(run_path(out, cell, label, s), spec.target) for s in seeds}
+        runs = {s: load_run(run_path(out, cell, label, s), spec.target) for s in seeds}
         trials.append(dict(label=label, point=point, runs=runs))
     searched = all(r is not None for t in trials for r in t["runs"].values())
     state = dict(cell=cell, trials=trials, searched=searched, best=None, final={})
@@ -132,7 +132,7 @@ def cell_state(out, spec, cell):
         best = best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in trials], by="epochs")
     label = trials[best]["label"]
     state["best"] = trials[best]
-    state["final"] = {s: _load(run_path(out, cell, label, s), spec.target) for s in spec.seeds}
+    state["final"] = {s: load_run(run_path(out, cell, label, s), spec.target) for s in spec.seeds}
     return state
 
 
@@ -669,7 +669,7 @@ def build_report(out, spec, cells, experiment, args):
     finished, planned = _finished_runs(states), plan.count_runs(spec, cells)
     verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
                                 [list(r) for r in rows])
-    workers_lines, workers_summary = across_workers.across_workers(out, spec, cells, states, _load)
+    workers_lines, workers_summary = across_workers.across_workers(out, spec, cells, states, load_run)
     if workers_summary is not None:   # the limits phase's runs are part of the study's plan
         finished += workers_summary["limit_runs"]["finished"]
         planned += workers_summary["limit_runs"]["planned"]
