@@ -59,8 +59,8 @@ def run(factory, input_shape, num_classes, learners, devices, m=3, b=4, steps=3,
 def assert_same_training(factory, input_shape, num_classes, devices, **kw):
     fused, loss_f, states_f = run(factory, input_shape, num_classes, "fused", devices, **kw)
     replicated, loss_r, states_r = run(factory, input_shape, num_classes, "replicated", devices, **kw)
-    assert isinstance(fused.learners, FusedLearners)
-    assert isinstance(replicated.learners, ReplicatedLearners)
+    assert isinstance(fused.learner_computation, FusedLearners)
+    assert isinstance(replicated.learner_computation, ReplicatedLearners)
     assert abs(loss_f - loss_r) < 1e-5
     initial = fused.initial_weights
     steps = kw.get("steps", 3)
@@ -146,7 +146,7 @@ def test_unsupported_layer_falls_back_with_a_notice(cpu_devices, caplog):
                               keras.layers.Flatten(), keras.layers.Dense(3)])
     with caplog.at_level(logging.WARNING, logger="crossbow_tf"):
         engine = Engine(model, LOSS, SMA(), CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
-    assert isinstance(engine.learners, ReplicatedLearners)
+    assert isinstance(engine.learner_computation, ReplicatedLearners)
     notices = [r.getMessage() for r in caplog.records if r.name == "crossbow_tf"]
     assert len(notices) == 1
     assert "'grouped' (Conv2D): grouped Conv2D is not fused" in notices[0]
@@ -160,7 +160,7 @@ def test_fused_is_the_default_for_supported_models(cpu_devices):
     keras.utils.set_random_seed(0)
     engine = Engine(build_model("lenet", (28, 28, 1), 10), LOSS, SMA(),
                     CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2))
-    assert isinstance(engine.learners, FusedLearners)
+    assert isinstance(engine.learner_computation, FusedLearners)
 
 
 ONEDNN_OFF_SCRIPT = """
@@ -181,7 +181,7 @@ except UnsupportedModel as e:
 engine = Engine(build_model("lenet", (28, 28, 1), 10), loss, SMA(), strategy, learners="auto")
 x = np.random.default_rng(0).random((6, 28, 28, 1), dtype=np.float32)
 value, _ = engine.train_step(x, np.arange(6, dtype=np.int32), np.ones(6), 0.05)
-print("auto:", type(engine.learners).__name__, np.isfinite(float(value)))
+print("auto:", type(engine.learner_computation).__name__, np.isfinite(float(value)))
 """
 
 

@@ -86,8 +86,8 @@ def runs(tmp_path_factory):
 def test_the_learners_ran_fused(runs):
     reference, resumed, _ = runs
     for model in (reference, resumed):
-        assert isinstance(get_training(model).engine.learners, FusedLearners)
-        assert get_training(model).engine.learners.fused
+        assert isinstance(get_training(model).engine.learner_computation, FusedLearners)
+        assert get_training(model).engine.learner_computation.fused
 
 
 def test_resumed_run_equals_the_uninterrupted_run_bit_for_bit(runs):

@@ -82,7 +82,7 @@ def run(learners, devices, m=3, b=4, steps=3, lr=0.1):
 def assert_same(devices, atol):
     fused, losses_f, initial = run("fused", devices)
     replicated, losses_r, _ = run("replicated", devices)
-    assert isinstance(fused.learners, FusedLearners) and isinstance(replicated.learners, ReplicatedLearners)
+    assert isinstance(fused.learner_computation, FusedLearners) and isinstance(replicated.learner_computation, ReplicatedLearners)
     np.testing.assert_allclose(losses_f, losses_r, atol=atol, rtol=0)
     moved = 0.0
     for la, lb in zip(fused.learner_weights(), replicated.learner_weights(), strict=True):
@@ -193,7 +193,7 @@ def test_a_layer_that_fails_once_per_learner_too_runs_the_model_replicated_with_
     with caplog.at_level(logging.WARNING, logger="crossbow_tf"):
         fused_engine, fused_losses = train_sparse_model("fused", cpu_devices[:1])
     replicated_engine, replicated_losses = train_sparse_model("replicated", cpu_devices[:1])
-    assert isinstance(fused_engine.learners, FusedLearners) and not fused_engine.learners.fused
+    assert isinstance(fused_engine.learner_computation, FusedLearners) and not fused_engine.learner_computation.fused
     assert len(fused_losses) == len(replicated_losses) == 3 and fused_losses[0] != fused_losses[-1]
     np.testing.assert_array_equal(fused_losses, replicated_losses)
     for ours, theirs in zip(fused_engine.learner_weights(), replicated_engine.learner_weights(), strict=True):

@@ -220,7 +220,7 @@ def test_recurrent_dropout_in_the_engine_equals_replicated_learners(cpu_devices)
     from crossbow_tf.engine.fused import FusedLearners
     fused, losses_f, _ = _dropout_engine("fused", cpu_devices[:1])
     replicated, losses_r, initial = _dropout_engine("replicated", cpu_devices[:1])
-    assert isinstance(fused.learners, FusedLearners)
+    assert isinstance(fused.learner_computation, FusedLearners)
     np.testing.assert_allclose(losses_f, losses_r, atol=2e-5, rtol=0)
     moved = 0.0
     for la, lb in zip(fused.learner_weights(), replicated.learner_weights(), strict=True):

@@ -144,7 +144,7 @@ def test_models_without_input_are_built_on_their_first_batch(cpu_devices):
         get_training(model).learner_weights()
     model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
     _assert_same_weights(model, plain)
-    assert get_training(model).engine.learners.fused      # built as a Functional graph, so it fuses
+    assert get_training(model).engine.learner_computation.fused      # built as a Functional graph, so it fuses
 
     keras.utils.set_random_seed(4)
     subclassed = _compiled(Subclassed())

@@ -107,7 +107,7 @@ def test_fused_equals_replicated_and_computes_in_the_policy(cpu_devices, float32
     runs = {**float32_runs, **{(policy, learners): train(policy, learners, cpu_devices[:1], RATE, STEPS)
                                for learners in ("fused", "replicated")}}
     fused, replicated = runs[policy, "fused"], runs[policy, "replicated"]
-    assert isinstance(fused.learners, FusedLearners) and isinstance(replicated.learners, ReplicatedLearners)
+    assert isinstance(fused.learner_computation, FusedLearners) and isinstance(replicated.learner_computation, ReplicatedLearners)
     # The layers compute in the policy's dtype; every variable of the engine is float32.
     assert {layer.compute_dtype for layer in fused.model.layers[1:-1]} == {policy.split("_")[1]}
     for engine in (fused, replicated):

@@ -122,7 +122,7 @@ def test_a_finished_loopback_run_does_not_count_as_a_run_behind_a_limit(tmp_path
 # The verdict per network, from hand-made runs.
 
 def _run(tta, epochs, ms, mb, network=None, accuracy=0.9):
-    """A loaded run as study_report._load gives it: (summary, evaluations, results)."""
+    """A loaded run as study_report.load_run gives it: (summary, evaluations, results)."""
     summary = dict(reached=tta is not None, tta=tta, epochs_to_target=epochs, best_accuracy=accuracy,
                    cross_worker=dict(workers=2, step_ms_per_iteration=ms, bytes_per_iteration=mb * 1e6,
                                      compute_ms_per_iteration=None, collective_ms_per_iteration=None))

@@ -154,6 +154,7 @@ def fake_run(accuracies, algorithm, compute_ms, collective_ms, step_ms, epochs=N
 def write_study(folder, runs=True, series=SERIES, budget=1):
     folder.mkdir()
     doc = dict(EXPERIMENT, sweep=dict(global_batches=[G], budget=budget, search_seeds=[0], seeds=[0], target=0.8,
+                                      network_limits=["1gbit", "100mbit"],
                                       epochs=3, series=series))
     (folder / "config.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     for name, (acc, algorithm, compute, collective, step) in RUNS.items() if runs else ():

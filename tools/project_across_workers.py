@@ -28,7 +28,6 @@ folder. Reads no TensorFlow.
 """
 import argparse
 import dataclasses
-import glob
 import json
 import math
 import os
@@ -39,7 +38,7 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # a checkout's crossbow_tf
 from crossbow_tf.cli import OneLineParser, fail, path_argument  # noqa: E402
-from crossbow_tf.compare import study_report  # noqa: E402
+from crossbow_tf.compare import across_workers, study_report  # noqa: E402
 from crossbow_tf.compare.plan import describe, plan_study  # noqa: E402
 from crossbow_tf.compare.report import fmt, markdown_table  # noqa: E402
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study  # noqa: E402
@@ -291,20 +290,19 @@ def limit_bits_per_second(folder_name):
 
 def limit_runs(folder, spec, cell, trial):
     """{limit folder name: [(summary, evaluations, results, path)]} of the runs of CELL's TRIAL (its label)
-    behind real limits (the limits phase's runs/<series>/G<g>/net-<limit>/<trial>_s<seed>.json); a run
-    whose results name another network (the runner's "network") is not taken."""
+    behind the study's limits (sweep.network_limits; the limits phase's files, found as the report
+    finds them); a run counts only where its results say it ran behind that limit (the runner's
+    "network")."""
     found = {}
-    pattern = os.path.join(folder, "runs", cell.series.name, f"G{cell.global_batch}", "net-*")
-    for directory in sorted(glob.glob(pattern)):
+    for limit in spec.network_limits:
         runs = []
-        for path in sorted(glob.glob(os.path.join(directory, f"{trial}_s*.json"))):
-            run = study_report._load(path, spec.target)
-            network = run and run[2].get("network")
-            if run is not None and projectable(run[2]) and (
-                    network is None or f"net-{network.replace('/', '-')}" == os.path.basename(directory)):
+        for seed in spec.seeds:
+            path = across_workers.limit_run_path(folder, cell, limit, trial, seed)
+            run = study_report.load_run(path, spec.target)
+            if run is not None and projectable(run[2]) and run[2].get("network") == limit.text():
                 runs.append((*run, path))
         if runs:
-            found[os.path.basename(directory)] = runs
+            found[os.path.basename(os.path.dirname(path))] = runs
     return found
 
 

@@ -31,10 +31,10 @@ def network_runs(out, spec, state, load):
         return {}
     # A run of the sweep made behind CROSSBOW_NETWORK (its results say so) is not a loopback run.
     runs = {LOOPBACK: [r if r is None or "network" not in r[2] else None
-                       for r in (state["final"].get(s) for s in spec.seeds)]}
+                       for r in (state["final"].get(seed) for seed in spec.seeds)]}
     for limit in spec.network_limits:
-        found = [load(limit_run_path(out, state["cell"], limit, state["best"]["label"], s), spec.target)
-                 for s in spec.seeds]
+        found = [load(limit_run_path(out, state["cell"], limit, state["best"]["label"], seed), spec.target)
+                 for seed in spec.seeds]
         runs[limit.text()] = [r if r is not None and r[2].get("network") == limit.text() else None for r in found]
     return runs
 
@@ -45,13 +45,13 @@ def network_stats(runs):
     summaries = [r[0] for r in runs if r is not None]
     if not summaries:
         return None
-    across = cross_worker_statistics([s.get("cross_worker") for s in summaries]) or {}
+    across = cross_worker_statistics([summary.get("cross_worker") for summary in summaries]) or {}
     return dict(seeds=len(summaries), of=len(runs), complete=len(summaries) == len(runs),
-                reached=sum(s["reached"] for s in summaries),
-                tta=seed_statistics([s["tta"] for s in summaries]),
-                epochs=seed_statistics([s["epochs_to_target"] for s in summaries]),
-                best_accuracy=seed_statistics([s["best_accuracy"] for s in summaries
-                                               if s["best_accuracy"] is not None]),
+                reached=sum(summary["reached"] for summary in summaries),
+                tta=seed_statistics([summary["tta"] for summary in summaries]),
+                epochs=seed_statistics([summary["epochs_to_target"] for summary in summaries]),
+                best_accuracy=seed_statistics([summary["best_accuracy"] for summary in summaries
+                                               if summary["best_accuracy"] is not None]),
                 ms_per_iteration=across.get("step_ms_per_iteration", (None,))[0],
                 mb_per_iteration=(lambda b: None if b is None else b / 1e6)(
                     across.get("bytes_per_iteration", (None,))[0]))

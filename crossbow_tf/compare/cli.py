@@ -88,11 +88,7 @@ def build(args):
 
 def main(argv=None):
     """The entry point (crossbow-compare, python -m crossbow_tf.compare): the exit code."""
-    try:
-        return compare(argv)
-    except OSError as e:   # writing the report after the runs (disk full, directory gone)
-        return cli.fail("compare", f"{e.filename}: {e.strerror}; the finished runs stay in the report's "
-                        "runs/ directory: free the space and rerun with --resume to write the report")
+    return command.entry_point("compare", compare, argv)
 
 
 def _dry_run_listing(plan, sweep_plan, total):
@@ -160,29 +156,20 @@ def compare(argv=None):
         if args.dry_run:
             return command.dry_run(args, out, _dry_run_listing(plan, sweep_plan, total))
         study = command.open_named_study(args, out)
-    except CrossbowError as e:
-        return cli.fail("compare", e)
-    except OSError as e:   # the report directory cannot be made
-        return cli.fail("compare", f"{e.filename}: {e.strerror}")
+    except (CrossbowError, OSError) as e:   # OSError: the report directory cannot be made
+        return command.refused("compare", e)
 
-    machine, runner = command.start(args, out, total, study)
-    runner.say(f"compare: {len(plan)} methods, {total} runs, report in {out}")
     try:
-        outcome, sweep_result, complete = _run_all(spec, plan, sweep_spec, sweep_plan, runner, total)
-    except KeyboardInterrupt:
-        return command.interrupted("compare", out)
-    except CrossbowError as e:   # the storage holds another plan
-        return cli.fail("compare", e)
-    stop = command.stop_before_report("compare", args, runner, out, complete)
-    if stop is not None:
-        return stop
+        machine, runner, (outcome, sweep_result, _) = command.run_to_report(
+            "compare", args, out, study, total, f"compare: {len(plan)} methods, {total} runs, report in {out}",
+            lambda runner: _run_all(spec, plan, sweep_spec, sweep_plan, runner, total),
+            lambda runner, result: result[2])
+    except command.Finished as done:
+        return done.code
     rows, failed = _write_report(args, out, experiment, machine, spec, outcome, sweep_spec, sweep_result)
     runner.say("\n" + compare_markdown(spec, rows, outcome).split("### Search trials")[0].strip())
     runner.say(f"\nreport: {os.path.join(out, 'report.md')}")
-    if failed:
-        print(f"compare: {len(failed)} run(s) failed; see the report", file=sys.stderr)
-        return 1
-    return 0
+    return command.exit_code("compare", failed)
 
 
 

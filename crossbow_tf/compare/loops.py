@@ -57,7 +57,7 @@ class Group:
         for seed in self.seeds:
             if (label, seed) not in runs:
                 runs[(label, seed)] = load(runner, attrs, self.job(best, seed, best=True), target)
-        return dict(runs=runs, best=label, best_point=point, final=[runs[(label, s)] for s in self.seeds])
+        return dict(runs=runs, best=label, best_point=point, final=[runs[(label, seed)] for seed in self.seeds])
 
 
 def _item(job, group):
@@ -129,12 +129,13 @@ def execute(runner, items, resolve, target, timeout):
     def run_item(item, slot):
         job = resolve(item)
         record = runner.run_job(job, target, timeout, slot=slot)
-        s = record.summary
-        attrs = dict(status="finished" if s is not None else "failed", resolved=job.key,
+        summary = record.summary
+        attrs = dict(status="finished" if summary is not None else "failed", resolved=job.key,
                      duration=round(record.duration, 3), error=record.error,
                      load=list(record.load_before) if record.load_before else None,
-                     epochs_to_target=s["epochs_to_target"] if s else None, tta=s["tta"] if s else None)
-        best = s["best_accuracy"] if s else None
+                     epochs_to_target=summary["epochs_to_target"] if summary else None,
+                     tta=summary["tta"] if summary else None)
+        best = summary["best_accuracy"] if summary else None
         return (best if isinstance(best, (int, float)) and best == best else 0.0), attrs
 
     def counted(item, slot):
@@ -191,7 +192,7 @@ def run_sweep(spec, plan, runner):
     attrs = execute(runner, items, lambda item: jobs[item.key], spec.target, spec.timeout)
     by = {}
     for series, g, label, point, configs in plan:
-        records = [load(runner, attrs, jobs[f"sweep_{series}/{label}_s{s}"], spec.target) for s in spec.seeds]
+        records = [load(runner, attrs, jobs[f"sweep_{series}/{label}_s{seed}"], spec.target) for seed in spec.seeds]
         by.setdefault((series, g), []).append((point, records))
     out = {"ssgd": [], "sma": []}
     for (series, g), trials in by.items():

@@ -78,13 +78,13 @@ def compare_markdown(spec, rows, outcome):
         for label, point, _ in o["trials"]:
             for seed in spec.search_seeds:
                 r = o["runs"][(label, seed)]
-                s = r.summary
+                summary = r.summary
                 trials.append([name, label + (" **best**" if label == o["best"] else ""), describe(point), seed,
                                f"{r.load_before[0]:.1f}" if r.load_before else "–",
-                               "failed: " + (r.error or "") if s is None else
-                               (f"{s['tta']:.2f}" if s["reached"] else "not reached"),
-                               "–" if s is None or not s["reached"] else s["epochs_to_target"],
-                               "–" if s is None else f"{s['best_accuracy']:.4f}"])
+                               "failed: " + (r.error or "") if summary is None else
+                               (f"{summary['tta']:.2f}" if summary["reached"] else "not reached"),
+                               "–" if summary is None or not summary["reached"] else summary["epochs_to_target"],
+                               "–" if summary is None else f"{summary['best_accuracy']:.4f}"])
     across = cross_worker_markdown(rows)
     return "\n\n".join([
         f"Target: {spec.target:.0%} test accuracy, at most {spec.epochs} epochs per run. Each method: "
@@ -122,8 +122,8 @@ def sweep_markdown(spec, result):
             ok = [r.summary for r in records if r.summary is not None]
             rows.append([name, g, (f"k={g // spec.sma_batch}" if series == "sma" else f"batch {g}"), describe(point),
                          "not reached" if epochs is None else f"{epochs:g}",
-                         fmt(seed_statistics([s["tta"] for s in ok])[0]),
-                         fmt(seed_statistics([s["best_accuracy"] for s in ok])[0], 4)])
+                         fmt(seed_statistics([summary["tta"] for summary in ok])[0]),
+                         fmt(seed_statistics([summary["best_accuracy"] for summary in ok])[0], 4)])
     largest = {}
     for series in ("ssgd", "sma"):
         if result[series]:

@@ -310,8 +310,9 @@ class Runner:
         record.code = code
         # A run that diverged (exit code 3, its results say where) or collapsed (exit code 5, at chance
         # accuracy) is an outcome, not a failure.
-        s = record.summary
-        finished = s is not None and (code == 0 or (code == 3 and s["diverged"]) or (code == 5 and s["collapsed"]))
+        summary = record.summary
+        finished = summary is not None and (code == 0 or (code == 3 and summary["diverged"])
+                                            or (code == 5 and summary["collapsed"]))
         if finished:
             shutil.rmtree(paths["checkpoints"], ignore_errors=True)
         else:
@@ -321,16 +322,17 @@ class Runner:
 
     def _tell(self, job, record, target):
         """Prints RECORD's outcome (and the study's progress from its storage)."""
-        s = record.summary
-        if s is None:
+        summary = record.summary
+        if summary is None:
             self.say(f"      FAILED after {record.duration:.0f}s: {record.error} "
                      f"(log: {record.path[:-5]}.log){self._who(job)}")
         else:
-            outcome = (f"{target:.2%} at epoch {s['epochs_to_target']}, {s['tta']:.2f}s of training"
-                       if s["reached"] else f"target not reached in {s['epochs_run']} epochs")
-            if s["diverged"]:
-                outcome = f"diverged in epoch {s['epochs_run'] + 1}: target not reached"
-            self.say(f"      {outcome}; best {fmt(s['best_accuracy'], 4)}; {fmt(s['images_per_second'], 0)} images/s; "
+            outcome = (f"{target:.2%} at epoch {summary['epochs_to_target']}, {summary['tta']:.2f}s of training"
+                       if summary["reached"] else f"target not reached in {summary['epochs_run']} epochs")
+            if summary["diverged"]:
+                outcome = f"diverged in epoch {summary['epochs_run'] + 1}: target not reached"
+            self.say(f"      {outcome}; best {fmt(summary['best_accuracy'], 4)}; "
+                     f"{fmt(summary['images_per_second'], 0)} images/s; "
                      f"process {record.duration:.0f}s{self._who(job)}")
 
     def progress_line(self, finishing=1):

@@ -60,9 +60,9 @@ def best_trial(trials, by="tta"):
         ok = [s for s in trials[i] if s is not None]
         if not ok:
             return (2, 0, 0, 0)
-        tta = seed_statistics([s["tta"] for s in ok])[0]
-        epochs = seed_statistics([s["epochs_to_target"] for s in ok])[0]
-        acc = statistics.median([s["best_accuracy"] or 0.0 for s in ok])
+        tta = seed_statistics([summary["tta"] for summary in ok])[0]
+        epochs = seed_statistics([summary["epochs_to_target"] for summary in ok])[0]
+        acc = statistics.median([summary["best_accuracy"] or 0.0 for summary in ok])
         if tta is None:
             return (1, -acc, 0, 0)
         return (0, epochs, tta, -acc) if by == "epochs" else (0, tta, epochs, -acc)
@@ -77,16 +77,16 @@ def compare_rows(spec, outcome):
         rows.append(dict(
             name=name, method=o["entry"].method, best=describe(o["best_point"]), trials=len(o["trials"]),
             seeds=len(o["final"]), failed=sum(r.summary is None for r in o["final"]),
-            reached=sum(s["reached"] for s in ok),
-            epochs=seed_statistics([s["epochs_to_target"] for s in ok]),
-            tta=seed_statistics([s["tta"] for s in ok]),
-            images_per_second=seed_statistics([s["images_per_second"] for s in ok]),
-            best_accuracy=seed_statistics([s["best_accuracy"] for s in ok]),
-            trace_time=seed_statistics([s["trace_time"] for s in ok]),
-            epoch_start_wait=seed_statistics([s["epoch_start_wait"] for s in ok])
-            if any(s["epoch_start_wait"] is not None for s in ok) else (None, None, None),
+            reached=sum(summary["reached"] for summary in ok),
+            epochs=seed_statistics([summary["epochs_to_target"] for summary in ok]),
+            tta=seed_statistics([summary["tta"] for summary in ok]),
+            images_per_second=seed_statistics([summary["images_per_second"] for summary in ok]),
+            best_accuracy=seed_statistics([summary["best_accuracy"] for summary in ok]),
+            trace_time=seed_statistics([summary["trace_time"] for summary in ok]),
+            epoch_start_wait=seed_statistics([summary["epoch_start_wait"] for summary in ok])
+            if any(summary["epoch_start_wait"] is not None for summary in ok) else (None, None, None),
             global_batch=ok[0]["global_batch"] if ok else None,
-            cross_worker=cross_worker_statistics([s.get("cross_worker") for s in ok])))
+            cross_worker=cross_worker_statistics([summary.get("cross_worker") for summary in ok])))
     return rows
 
 

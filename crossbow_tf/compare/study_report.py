@@ -92,7 +92,7 @@ def fidelity(stock_devices):
   depends on the CPU), no XLA."""
 
 
-def _load(path, target):
+def load_run(path, target):
     """(summary, evaluations, extra) of one results file, or None when it is missing or unusable."""
     if not os.path.exists(path):
         return None
@@ -120,7 +120,7 @@ def cell_state(out, spec, cell):
     seeds = sorted(set(spec.seeds) | set(spec.search_seeds)) if cell.series.untuned else spec.search_seeds
     trials = []
     for label, point, _ in cell.trials:
-        runs = {s: _load(run_path(out, cell, label, s), spec.target) for s in seeds}
+        runs = {seed: load_run(run_path(out, cell, label, seed), spec.target) for seed in seeds}
         trials.append(dict(label=label, point=point, runs=runs))
     searched = all(r is not None for t in trials for r in t["runs"].values())
     state = dict(cell=cell, trials=trials, searched=searched, best=None, final={})
@@ -129,10 +129,10 @@ def cell_state(out, spec, cell):
     if cell.series.untuned:
         best = 0
     else:
-        best = best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in trials], by="epochs")
+        best = best_trial([[t["runs"][seed][0] for seed in spec.search_seeds] for t in trials], by="epochs")
     label = trials[best]["label"]
     state["best"] = trials[best]
-    state["final"] = {s: _load(run_path(out, cell, label, s), spec.target) for s in spec.seeds}
+    state["final"] = {seed: load_run(run_path(out, cell, label, seed), spec.target) for seed in spec.seeds}
     return state
 
 
@@ -144,13 +144,14 @@ def cell_stats(spec, state):
     summaries = [r[0] for r in final]
     return dict(
         seeds=len(final), of=len(spec.seeds), complete=len(final) == len(spec.seeds),
-        reached=sum(s["reached"] for s in summaries), collapsed=sum(s["collapsed"] for s in summaries),
-        diverged=sum(s["diverged"] for s in summaries),
-        epochs=seed_statistics([s["epochs_to_target"] for s in summaries]),
-        tta=seed_statistics([s["tta"] for s in summaries]),
-        best_accuracy=seed_statistics([s["best_accuracy"] for s in summaries
-                                       if s["best_accuracy"] is not None]),
-        images_per_second=seed_statistics([s["images_per_second"] for s in summaries]),
+        reached=sum(summary["reached"] for summary in summaries),
+        collapsed=sum(summary["collapsed"] for summary in summaries),
+        diverged=sum(summary["diverged"] for summary in summaries),
+        epochs=seed_statistics([summary["epochs_to_target"] for summary in summaries]),
+        tta=seed_statistics([summary["tta"] for summary in summaries]),
+        best_accuracy=seed_statistics([summary["best_accuracy"] for summary in summaries
+                                       if summary["best_accuracy"] is not None]),
+        images_per_second=seed_statistics([summary["images_per_second"] for summary in summaries]),
         setting=describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
 
 
@@ -159,10 +160,10 @@ def search_progress(spec, state):
     done = [t for t in state["trials"] if all(r is not None for r in t["runs"].values())]
     if state["searched"] or not done:
         return None
-    best = done[best_trial([[t["runs"][s][0] for s in spec.search_seeds] for t in done], by="epochs")]
-    s = best["runs"][spec.search_seeds[0]][0]
-    so_far = (f"{s['epochs_to_target']} epochs" if s["reached"] else
-              f"not reached ({outcome_word(s, 'best acc ' + fmt(s['best_accuracy'], 4))})")
+    best = done[best_trial([[t["runs"][seed][0] for seed in spec.search_seeds] for t in done], by="epochs")]
+    summary = best["runs"][spec.search_seeds[0]][0]
+    so_far = (f"{summary['epochs_to_target']} epochs" if summary["reached"] else
+              f"not reached ({outcome_word(summary, 'best acc ' + fmt(summary['best_accuracy'], 4))})")
     return f"searching, {len(done)}/{len(state['trials'])} trials done: best so far {so_far}"
 
 
@@ -222,10 +223,10 @@ class _Standings:
         self.names = sorted({c.series.name for c in cells if not c.series.untuned and not c.series.beyond_crossbow})
 
     def epochs_of(self, name, g):
-        s = self.stats.get((name, g))
-        if s is None:
+        stat = self.stats.get((name, g))
+        if stat is None:
             return None
-        return s["epochs"][0] if s["epochs"][0] is not None else INF
+        return stat["epochs"][0] if stat["epochs"][0] is not None else INF
 
     def best(self, names, g):
         """(fewest median epochs to target, its series) among NAMES at G ((None, None): none finished)."""
@@ -444,11 +445,11 @@ def _trial_rows(states):
                 if r is None:
                     rows.append([name, g, t["label"], describe(t["point"]), seed, "not run yet", "", "", ""])
                     continue
-                s = r[0]
+                summary = r[0]
                 rows.append([name, g, t["label"] + (" **best**" if st["best"] is t else ""),
                              describe(t["point"]), seed,
-                             s["epochs_to_target"] if s["reached"] else outcome_word(s),
-                             fmt(s["best_accuracy"], 4), s["epochs_run"], fmt(s["tta"])])
+                             summary["epochs_to_target"] if summary["reached"] else outcome_word(summary),
+                             fmt(summary["best_accuracy"], 4), summary["epochs_run"], fmt(summary["tta"])])
     return rows
 
 
@@ -669,7 +670,7 @@ def build_report(out, spec, cells, experiment, args):
     finished, planned = _finished_runs(states), plan.count_runs(spec, cells)
     verdict_md = markdown_table(["claim of the paper", "verdict", "numbers", "how measured / why"],
                                 [list(r) for r in rows])
-    workers_lines, workers_summary = across_workers.across_workers(out, spec, cells, states, _load)
+    workers_lines, workers_summary = across_workers.across_workers(out, spec, cells, states, load_run)
     if workers_summary is not None:   # the limits phase's runs are part of the study's plan
         finished += workers_summary["limit_runs"]["finished"]
         planned += workers_summary["limit_runs"]["planned"]

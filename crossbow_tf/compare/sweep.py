@@ -81,11 +81,7 @@ def build(args):
 
 def main(argv=None):
     """The entry point (crossbow-sweep, python -m crossbow_tf.compare.sweep): the exit code."""
-    try:
-        return sweep(argv)
-    except OSError as e:   # writing the report after the runs (disk full, directory gone)
-        return cli.fail("sweep", f"{e.filename}: {e.strerror}; the finished runs stay in the report's "
-                        "runs/ directory: free the space and rerun with --resume to write the report")
+    return command.entry_point("sweep", sweep, argv)
 
 
 def sweep(argv=None):
@@ -103,22 +99,15 @@ def sweep(argv=None):
             return command.dry_run(args, out, [f"{series} global batch {g} {label}: {describe(point)}"
                                                for series, g, label, point, _ in plan] + [f"{total} runs"])
         study = command.open_named_study(args, out)
-    except CrossbowError as e:
-        return cli.fail("sweep", e)
-    except OSError as e:   # the report directory cannot be made
-        return cli.fail("sweep", f"{e.filename}: {e.strerror}")
+    except (CrossbowError, OSError) as e:   # OSError: the report directory cannot be made
+        return command.refused("sweep", e)
 
-    machine, runner = command.start(args, out, total, study)
-    runner.say(f"sweep: {total} runs, report in {out}")
     try:
-        result = run_sweep(spec, plan, runner)
-    except KeyboardInterrupt:
-        return command.interrupted("sweep", out)
-    except CrossbowError as e:   # the storage holds another plan
-        return cli.fail("sweep", e)
-    stop = command.stop_before_report("sweep", args, runner, out, runner.study.complete())
-    if stop is not None:
-        return stop
+        machine, runner, result = command.run_to_report(
+            "sweep", args, out, study, total, f"sweep: {total} runs, report in {out}",
+            lambda runner: run_sweep(spec, plan, runner), lambda runner, result: runner.study.complete())
+    except command.Finished as done:
+        return done.code
     plot_sweep(sweep_series(spec, result), spec.epochs, spec.target, os.path.join(out, "sweep.png"))
     records = [r for points in result.values() for *_, recs in points for r in recs]
     text = sweep_markdown(spec, result)
@@ -132,10 +121,7 @@ def sweep(argv=None):
         sweep={series: [dict(global_batch=g, epochs_to_target=e, best=p) for g, e, p, _ in points]
                for series, points in result.items()}))
     runner.say("\n" + text + f"\n\nreport: {os.path.join(out, 'report.md')}")
-    if failed:
-        print(f"sweep: {len(failed)} run(s) failed; see the report", file=sys.stderr)
-        return 1
-    return 0
+    return command.exit_code("sweep", failed)
 
 
 

@@ -208,8 +208,9 @@ class Engine:
         self.reset_on_lr_drop = reset_on_lr_drop and self.algorithm.reset_on_lr_drop
         self._previous_lr = None          # the learning rate of the last train_step
         self._learners_at_center = True   # no step since the learners were last set to z
-        # learners: "auto" (fused when every layer allows it), "fused", "replicated", or a computation.
-        self.learners = make_learners(model, loss, learners) if isinstance(learners, str) else learners
+        # learners: "auto" (fused when every layer allows it), "fused" or "replicated": how the
+        # learner computation (every learner's forward and backward pass) runs.
+        self.learner_computation = make_learners(model, loss, learners)
         self.state = self._make_state(optimizer, noise_matching)
         # Noise matching's running means decay as the optimizer's second moment does.
         self.noise_decay = second_moment_decay(optimizer) if noise_matching else None
@@ -245,7 +246,7 @@ class Engine:
         if not isinstance(algorithm, Rule):
             raise TypeError(f"Engine: algorithm must be an update rule such as crossbow_tf.algorithms.SMA(), "
                             f"got {algorithm!r}")
-        if isinstance(learners, str) and learners not in ("auto", "fused", "replicated"):
+        if learners not in ("auto", "fused", "replicated"):
             raise ValueError(f"Engine: learners must be \"auto\", \"fused\" or \"replicated\", got {learners!r}")
         if not isinstance(reset_on_lr_drop, bool):
             raise TypeError(f"Engine: reset_on_lr_drop must be True or False, got {reset_on_lr_drop!r}")
@@ -551,7 +552,7 @@ class Engine:
         for d, device in enumerate(self.strategy.devices):
             with tf.device(device):
                 states = [s.read_value() for s in self.states[d]]
-                computed.append(self.learners(weights[d], states, x[d], y[d], mask[d], **scale))
+                computed.append(self.learner_computation(weights[d], states, x[d], y[d], mask[d], **scale))
         return computed
 
     def _unless_overflow(self, computed, update):
@@ -875,6 +876,11 @@ class Engine:
     def center_weights(self):
         """The central model z (trainable weights) as NumPy arrays, from the first device."""
         return self.state.center_arrays()
+
+    def run_learners_through(self, computation):
+        """From the next trace on, the learners run through COMPUTATION (the Keras path's replicated
+        learners over a model whose nested inputs and outputs travel packed)."""
+        self.learner_computation = computation
 
     def learner_weights(self):
         """Every learner's trainable weights: list over learners j of lists of arrays."""

@@ -273,8 +273,8 @@ class FusedLearners:
         # Set when a layer failed in the fused computation (see PerLearnerCallFailed): the learners
         # then run replicated, through this.
         self._replicated = None
-        self._t_index = {id(v): i for i, v in enumerate(model.trainable_variables)}
-        self._s_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        self._trainable_position = {id(v): i for i, v in enumerate(model.trainable_variables)}
+        self._state_position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
         # Layers the generic form ran once per learner (TensorFlow could not vectorize an op): name -> why.
         self._not_vectorized = {}
 
@@ -321,8 +321,8 @@ class FusedLearners:
     def _w(self, variable):
         """The learners' stack of VARIABLE: trainable, or frozen (kept with the non-trainable state)
         as this step has left it so far (a layer used twice sees its first use's update)."""
-        index = self._t_index.get(id(variable))
-        value = self._weights[index] if index is not None else self._new_states[self._s_index[id(variable)]]
+        index = self._trainable_position.get(id(variable))
+        value = self._weights[index] if index is not None else self._new_states[self._state_position[id(variable)]]
         # Keras casts only variables created with autocast=True (not BatchNorm's, for example).
         if (self._read_dtype is not None and getattr(variable, "_autocast", True) and value.dtype.is_floating
                 and value.dtype != self._read_dtype):
@@ -413,8 +413,8 @@ class FusedLearners:
 
     def _stored(self, variable):
         # The stack in the variable's dtype: Keras's own call casts it where it reads it.
-        index = self._t_index.get(id(variable))
-        return self._weights[index] if index is not None else self._new_states[self._s_index[id(variable)]]
+        index = self._trainable_position.get(id(variable))
+        return self._weights[index] if index is not None else self._new_states[self._state_position[id(variable)]]
 
     def _generic(self, layer, args, kwargs):
         """LAYER's own stateless_call vectorized over the learners, each with its own weights and
@@ -474,7 +474,7 @@ class FusedLearners:
         return self._w(variable)
 
     def set_state(self, variable, value):
-        self._new_states[self._s_index[id(variable)]] = value
+        self._new_states[self._state_position[id(variable)]] = value
 
     def dropout(self, dropout_layer, x):
         return self._dropout(dropout_layer, x)
@@ -513,7 +513,7 @@ class FusedLearners:
             for values, value in zip(new_states, s_new):
                 values.append(value)
         for variable, values in zip(state, new_states):
-            self._new_states[self._s_index[id(variable)]] = tf.stack(values)
+            self._new_states[self._state_position[id(variable)]] = tf.stack(values)
         return self._stack_learners(outputs)
 
     def _batch_norm(self, layer, x):
@@ -527,8 +527,8 @@ class FusedLearners:
 
         def per_learner(t):   # (m, C) -> broadcastable against x
             return t[:, None, :] if rank == 3 else t
-        mean_idx = self._s_index[id(layer.moving_mean)]
-        var_idx = self._s_index[id(layer.moving_variance)]
+        mean_idx = self._state_position[id(layer.moving_mean)]
+        var_idx = self._state_position[id(layer.moving_variance)]
         moving_mean, moving_variance = self._new_states[mean_idx], self._new_states[var_idx]
         if layer.trainable:
             mean, variance = keras.ops.moments(x, axes=axes)   # (m, C): statistics per learner
@@ -547,7 +547,7 @@ class FusedLearners:
     def _dropout(self, layer, x):
         if layer.rate <= 0:
             return x
-        idx = self._s_index[id(layer.seed_generator.state)]
+        idx = self._state_position[id(layer.seed_generator.state)]
         state = self._new_states[idx]                             # (m, 2)
         # Each learner's keep-mask is drawn exactly as tf.nn.experimental.stateless_dropout draws it
         # from that learner's seed; then one select applies all of them.

@@ -190,7 +190,7 @@ class _Run:
         self.global_batch = engine.num_learners * batch_size
         self.per_epoch = iterations_per_epoch(data.train.size, self.global_batch)
         engine.iterations_per_epoch = self.per_epoch   # post-local SGD's switch is counted in epochs
-        self.evaluator = Evaluator(engine.model, engine.learners.per_example_loss)
+        self.evaluator = Evaluator(engine.model, engine.learner_computation.per_example_loss)
         if engine.strategy.cluster is not None:
             # Once per epoch on the chief; the other workers receive its figures (same z on every worker).
             self.evaluator = engine.strategy.cluster.on_chief(self.evaluator, num_values=2)

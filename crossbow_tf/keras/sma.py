@@ -446,7 +446,7 @@ class CrossbowTraining:
             self._packers = (Packer(x), None, Packer(y_pred, differentiable=True))
             self.loss.output_packer = self._packers[2]
             packed = PackedModel(self.model, self._packers[0], self._packers[2])
-            self.engine.learners = ReplicatedLearners(packed, self.loss)
+            self.engine.run_learners_through(ReplicatedLearners(packed, self.loss))
         self._prepared = True
 
     def _check_model_adds_a_loss(self, x):
