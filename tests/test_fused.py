@@ -1,6 +1,5 @@
 """Fused learners compute what replicated learners compute; unsupported layers fall back."""
 import functools
-import importlib
 import logging
 
 import keras
@@ -107,20 +106,20 @@ def test_fused_equals_replicated_on_resnet32(cpu_devices):
 # plus an identity one in stage 1: the 7x7/2 stem, max-pool, projection bottlenecks (stride 1 and 2)
 # and an identity one; the other 11 repeat these. VGG-16: all 5 stages and the head, 2 convolutions
 # in the first two stages (dropout 0.3 after the net's first, 0.4 after the others) and 1 in the last
-# three; the other 6 repeat these. The packages export the functions, not the modules.
+# three; the other 6 repeat these.
 SHALLOW_STAGES = {"resnet50": ((64, 2), (128, 1), (256, 1), (512, 1)),
                   "vgg16": ((64, 2), (128, 2), (256, 1), (512, 1), (512, 1))}
 
 
 @pytest.mark.parametrize("name, shape, classes", [("vgg16", (32, 32, 3), 10), ("resnet50", (32, 32, 3), 10)])
-def test_fused_step_equals_replicated_step_on_paper_models(name, shape, classes, cpu_devices, monkeypatch):
+def test_fused_step_equals_replicated_step_on_paper_models(name, shape, classes, cpu_devices):
     # One iteration from the same state: VGG-16 with ReLU-then-BatchNorm on random data is chaotic
     # enough that float32 rounding differences grow past 1e-3 within two further iterations.
     # 32x32 is the smallest input both take (VGG-16 halves it 5 times; ResNet-50's 32x downsampling
     # ends at 1x1); 10 classes and 2 examples per learner (BatchNorm's smallest batch with a
     # variance) keep every layer in the step, and the learners' check needs most tensors to move.
-    monkeypatch.setattr(importlib.import_module(f"crossbow_tf.models.{name}"), "STAGES", SHALLOW_STAGES[name])
-    assert_same_training(MODELS[name], shape, classes, cpu_devices[:1], m=2, b=2, steps=1, lr=0.001)
+    shallow = functools.partial(MODELS[name], stages=SHALLOW_STAGES[name])
+    assert_same_training(shallow, shape, classes, cpu_devices[:1], m=2, b=2, steps=1, lr=0.001)
 
 
 def test_dropout_masks_differ_between_fused_learners(cpu_devices):

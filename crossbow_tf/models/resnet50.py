@@ -30,15 +30,16 @@ def _bottleneck(x, width, stride, name):
     return layers.ReLU(name=f"{name}_out")(y)
 
 
-def resnet50(input_shape=(224, 224, 3), num_classes=1000, name="resnet50"):
+def resnet50(input_shape=(224, 224, 3), num_classes=1000, name="resnet50", stages=STAGES):
     """7x7/2 conv 64, BN, ReLU, 3x3/2 max-pool; bottleneck stages 3-4-6-3 (64/128/256/512 wide,
     x4 expansion, stride 2 at the first block of stages 2-4); global average pooling;
-    Dense NUM_CLASSES (logits)."""
+    Dense NUM_CLASSES (logits). STAGES: (bottleneck width, blocks) per stage (the tests' shallower
+    copies keep every block kind with fewer repeats)."""
     inputs = keras.Input(input_shape)
     x = _conv(64, 7, 2, "stem_conv")(inputs)
     x = layers.ReLU(name="stem_relu")(_bn("stem_bn")(x))
     x = layers.MaxPooling2D(3, strides=2, padding="same", name="stem_pool")(x)
-    for stage, (width, blocks) in enumerate(STAGES, start=1):
+    for stage, (width, blocks) in enumerate(stages, start=1):
         for block in range(1, blocks + 1):
             stride = 2 if stage > 1 and block == 1 else 1
             x = _bottleneck(x, width, stride, f"stage{stage}_block{block}")

@@ -7,18 +7,19 @@ from keras import layers
 STAGES = ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3))
 
 
-def vgg16(input_shape=(32, 32, 3), num_classes=100, name="vgg16"):
+def vgg16(input_shape=(32, 32, 3), num_classes=100, name="vgg16", stages=STAGES):
     """13 3x3 convs, each followed by ReLU, BatchNorm and (except before a pool) dropout: 0.3 after
     the net's first conv, 0.4 after the others; head: dropout 0.5, Dense 512, ReLU, BN,
     dropout 0.5, Dense NUM_CLASSES (logits).
 
     Keras's default initialisers (Glorot uniform, zero bias) and BatchNorm settings (epsilon 1e-3,
-    momentum 0.99) are what both cifar-vgg and Crossbow's VGG.java use.
+    momentum 0.99) are what both cifar-vgg and Crossbow's VGG.java use. STAGES: (filters, convs) per
+    stage (the tests' shallower copies keep every layer kind with fewer repeats).
     """
     inputs = keras.Input(input_shape)
     x = inputs
     first = True
-    for stage, (filters, convs) in enumerate(STAGES, start=1):
+    for stage, (filters, convs) in enumerate(stages, start=1):
         for i in range(1, convs + 1):
             prefix = f"block{stage}_conv{i}"
             x = layers.Conv2D(filters, 3, padding="same", name=prefix)(x)
