@@ -2,7 +2,7 @@
 
 The kill tests start many training processes (`python -m crossbow_tf.run ...`, `python
 tests/bn_dropout_run.py ...`); each one spends ~6 CPU s importing TensorFlow before it does anything.
-This server imports TensorFlow, Keras and crossbow_tf once, before TensorFlow initialises anything
+This server imports TensorFlow, Keras and crossbow_tf's engine once, before TensorFlow initialises anything
 (no devices, no threads of its own runtime), then forks one child per request. The child is a real,
 separate process: it splits its own devices, installs its own signal handlers, writes its own
 checkpoints, can be SIGKILLed, and runs the program as `python PROGRAM ARGS` would (runpy, as
@@ -75,7 +75,9 @@ def main(path):
     import keras  # noqa: F401  (imported once here, inherited by every child)
     import tensorflow  # noqa: F401
 
-    import crossbow_tf.run  # noqa: F401
+    # Not crossbow_tf.run itself: a child runs it as __main__, which runpy warns about once imported.
+    import crossbow_tf.engine.core  # noqa: F401
+    import crossbow_tf.experiment  # noqa: F401
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(8)
