@@ -22,6 +22,7 @@ from numpy_reference import NumpyAdam, NumpyRMSprop, run_reference_optimizer
 from conftest import DEVICES
 from test_averaging_rules import assert_matches
 from test_engine_reference import B, CLASSES, LOSS, N, small_mlp, toy_data
+from test_checkpoint import stop_fork_server  # noqa: F401  (the kill test's processes are forked)
 
 
 def run_engine(algorithm, optimizer, devices, m, iterations_wanted, base_lr, drops=()):
@@ -121,6 +122,19 @@ def digits():
     return load_embedded_mnist()
 
 
+@pytest.fixture(scope="module")
+def adam_on_256_digits(digits):
+    """use_sma with Adam(2e-3) (noise matching on: auto) on 2 devices x 2 learners, fitted for one
+    unshuffled epoch on the first 256 digits, and its weights right after the fit: the rate-scale
+    test's reference and the noise-matching test's matched learners (which then changes the model)."""
+    import crossbow_tf
+    (x, y), _ = digits
+    strategy = CrossbowStrategy(devices=DEVICES[:2], learners_per_device=2)
+    model = crossbow_tf.use_sma(digits_mlp(keras.optimizers.Adam(2e-3)), strategy)
+    model.fit(x[:256], y[:256], batch_size=64, epochs=1, shuffle=False, verbose=0)
+    return model, [w.copy() for w in model.get_weights()]
+
+
 def test_use_sma_with_adam_trains_within_a_band_of_plain_keras_adam(digits, tmp_path):
     import crossbow_tf
     (x, y), (x_test, y_test) = digits
@@ -168,7 +182,7 @@ def test_ssgd_with_adam_and_a_schedule_is_keras_adam_at_the_global_batch(digits)
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
-def test_learning_rate_scale_is_the_learners_rate_and_only_theirs(digits):
+def test_learning_rate_scale_is_the_learners_rate_and_only_theirs(digits, adam_on_256_digits):
     """use_sma(learning_rate_scale=s) with Adam(lr) trains as use_sma with Adam(s*lr), while the
     compiled rate (schedules, callbacks, logs) stays lr; refused where the average is already linear."""
     import crossbow_tf
@@ -177,10 +191,12 @@ def test_learning_rate_scale_is_the_learners_rate_and_only_theirs(digits):
     strategy = CrossbowStrategy(devices=DEVICES[:2], learners_per_device=2)
     scaled = crossbow_tf.use_sma(digits_mlp(keras.optimizers.Adam(1e-3)), strategy, learning_rate_scale=2.0)
     scaled.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    compiled = crossbow_tf.use_sma(digits_mlp(keras.optimizers.Adam(2e-3)), strategy)
-    compiled.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
-    for got, want in zip(scaled.get_weights(), compiled.get_weights()):
+    _, compiled = adam_on_256_digits   # use_sma with Adam(2e-3), fitted alike
+    initial = digits_mlp(keras.optimizers.Adam()).get_weights()
+    assert len(scaled.get_weights()) == len(compiled) == len(initial) == 4
+    for got, want, start in zip(scaled.get_weights(), compiled, initial, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+        assert np.abs(want - start).max() > 1e-3   # both trained: the match is not of untouched weights
     assert float(scaled.optimizer.learning_rate) == pytest.approx(1e-3)
     for optimizer, algorithm, match in ((keras.optimizers.SGD(0.1, momentum=0.9), "sma", "average linearly"),
                                         (keras.optimizers.Adam(), "ssgd", "mean gradient")):
@@ -392,7 +408,7 @@ def test_noise_matching_is_refused_where_it_does_not_apply(optimizer, rule, says
                optimizer=optimizer(), noise_matching=True)
 
 
-def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits):
+def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits, adam_on_256_digits):
     """auto: on for Adam / RMSprop under SMA, EASGD and local SGD averaging every step; off for SGD,
     for S-SGD and for a rule with a sync period. True where it does not apply, or a bad value, is
     one clear error; False gives the learners the optimizer's plain steps (another end point)."""
@@ -407,7 +423,8 @@ def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits):
             model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
         return model, crossbow_tf.keras.sma.get_training(model).engine
 
-    matched, engine = engine_of(keras.optimizers.Adam(1e-3), fit=True)
+    matched, _ = adam_on_256_digits   # engine_of(Adam(2e-3), fit=True), shared with the rate-scale test
+    engine = crossbow_tf.keras.sma.get_training(matched).engine
     assert engine.noise_decay == 0.999
     # Weights set from outside: the learners restart from them, and the statistics with their optimizer.
     saved = [w.numpy().copy() for w in engine.learner_square[0]]
@@ -417,7 +434,7 @@ def test_use_sma_turns_noise_matching_on_exactly_where_it_applies(digits):
     assert all(not v.numpy().any() for d in engine.learner_square + engine.global_square for v in d)
     matched.set_weights([2.0 * w for w in matched.get_weights()])
     assert engine_of(keras.optimizers.RMSprop(1e-3), algorithm=LocalSGD(period=1))[1].noise_decay == 0.9
-    unmatched, engine = engine_of(keras.optimizers.Adam(1e-3), fit=True, noise_matching=False)
+    unmatched, engine = engine_of(keras.optimizers.Adam(2e-3), fit=True, noise_matching=False)
     assert engine.noise_decay is None
     assert max(np.abs(a - b).max() for a, b in zip(matched.get_weights(), unmatched.get_weights())) > 1e-4
     for optimizer, options in ((keras.optimizers.SGD(0.05, momentum=0.9), {}),
