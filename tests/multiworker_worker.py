@@ -1,5 +1,5 @@
-"""One process of the multi-worker tests: trains a few SMA iterations of a small LeNet (small_lenet)
-on the embedded MNIST digits through the engine and then through Keras's fit, and saves z before and after each.
+"""One process of the multi-worker tests: trains a few SMA iterations of a small CNN (small_cnn) on
+the embedded MNIST digits through the engine and then through Keras's fit, and saves z before and after each.
 Run with TF_CONFIG for a worker of a cluster, without it for one process.
 
     python tests/multiworker_worker.py engine|keras|both OUT --devices D --learners M
@@ -86,26 +86,24 @@ def fresh_model(strategy, data, policy="float32"):
     saved = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(policy)
     try:
-        return small_lenet(data.input_shape, data.num_classes)
+        return small_cnn(data.input_shape, data.num_classes)
     finally:
         keras.mixed_precision.set_global_policy(saved)
 
 
-def small_lenet(input_shape, num_classes):
-    """LeNet's layers (the same 8 weights and Dropout) at a few channels and units: what these tests
-    check (the same bits on every worker, one all-reduce per step, skips and resumes) does not depend
-    on width, and the float16 rules run Eigen's slow float16 kernels on this CPU. Also a user's model
-    (multiworker_worker.py:small_lenet) for the command-line tests."""
+def small_cnn(input_shape, num_classes):
+    """A convolution, a Dropout and a Dense layer (4 weights and a seed state), a few channels wide:
+    what these tests check (the same bits on every worker, one all-reduce per step, skips, stops and
+    resumes) does not depend on depth or width, and every engine traces and compiles its steps once
+    per weight and device. Also a user's model (multiworker_worker.py:small_cnn) for the command-line
+    tests."""
     import keras
     return keras.Sequential([keras.Input(input_shape),
                              keras.layers.Conv2D(4, 5, padding="valid", activation="relu"),
                              keras.layers.MaxPooling2D(2),
-                             keras.layers.Conv2D(8, 5, padding="valid", activation="relu"),
-                             keras.layers.MaxPooling2D(2),
                              keras.layers.Flatten(),
-                             keras.layers.Dense(32, activation="relu"),
                              keras.layers.Dropout(0.4),
-                             keras.layers.Dense(num_classes)], name="small_lenet")
+                             keras.layers.Dense(num_classes)], name="small_cnn")
 
 
 def _with_an_overflow(strategy, batches):
