@@ -1,5 +1,5 @@
-"""One process of the multi-worker tests: trains a few SMA iterations of LeNet on the embedded MNIST
-digits through the engine and then through Keras's fit, and saves z before and after each.
+"""One process of the multi-worker tests: trains a few SMA iterations of a small CNN (small_cnn) on
+the embedded MNIST digits through the engine and then through Keras's fit, and saves z before and after each.
 Run with TF_CONFIG for a worker of a cluster, without it for one process.
 
     python tests/multiworker_worker.py engine|keras|both OUT --devices D --learners M
@@ -81,15 +81,29 @@ def main():
 
 def fresh_model(strategy, data, policy="float32"):
     import keras
-    from crossbow_tf.models import build_model
     # Each worker draws other initial weights: every worker must start from the chief's.
     keras.utils.set_random_seed(7 + 1000 * strategy.worker_index)
     saved = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(policy)
     try:
-        return build_model("lenet", data.input_shape, data.num_classes)
+        return small_cnn(data.input_shape, data.num_classes)
     finally:
         keras.mixed_precision.set_global_policy(saved)
+
+
+def small_cnn(input_shape, num_classes):
+    """A convolution, a Dropout and a Dense layer (4 weights and a seed state), a few channels wide:
+    what these tests check (the same bits on every worker, one all-reduce per step, skips, stops and
+    resumes) does not depend on depth or width, and every engine traces and compiles its steps once
+    per weight and device. Also a user's model (multiworker_worker.py:small_cnn) for the command-line
+    tests."""
+    import keras
+    return keras.Sequential([keras.Input(input_shape),
+                             keras.layers.Conv2D(4, 5, padding="valid", activation="relu"),
+                             keras.layers.MaxPooling2D(2),
+                             keras.layers.Flatten(),
+                             keras.layers.Dropout(0.4),
+                             keras.layers.Dense(num_classes)], name="small_cnn")
 
 
 def _with_an_overflow(strategy, batches):
@@ -114,9 +128,14 @@ def save(path, center, states, losses=(), collectives=-1, local_collectives=-1):
 def _collectives_per_step(engine, x, y, mask, *count, step=None):
     """The collective all-reduce ops in the engine's compiled step (or STEP), nested functions included."""
     import tensorflow as tf
+    # The arguments exactly as train_step passes them: the trace that trained is the one counted
+    # (and none is made again).
+    x, y, mask = engine._checked_batch(x, y, mask, local=bool(count))
     count = [tf.cast(c, tf.float32) for c in count] or [None]
-    graph = (step or engine._step).get_concrete_function(x, y, tf.cast(mask, tf.float32), tf.constant(0.05),
-                                                         *count).graph
+    step = step or engine._step
+    traces = step.experimental_get_tracing_count()
+    graph = step.get_concrete_function(x, y, mask, tf.cast(0.05, tf.float32), *count).graph
+    assert step.experimental_get_tracing_count() == traces, "the step was traced again to count its ops"
     count = sum(op.type == "CollectiveReduceV2" for op in graph.get_operations())
     for function in graph._functions.values():
         count += sum(node.op == "CollectiveReduceV2" for node in function.cached_definition.node_def)
