@@ -168,7 +168,7 @@ def test_the_replicated_notice_comes_once_per_model(cpu_devices, caplog):
     strategy = CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=2)
     with caplog.at_level(logging.WARNING, logger="crossbow_tf"):
         for model in (first, first, second, first):
-            assert isinstance(Engine(model, LOSS, SMA(), strategy).learners, ReplicatedLearners)
+            assert isinstance(Engine(model, LOSS, SMA(), strategy).learner_computation, ReplicatedLearners)
     notices = [r.getMessage() for r in caplog.records if r.name == "crossbow_tf"]
     assert len(notices) == 2
     assert "'first_norm'" in notices[0] and "'second_norm'" in notices[1]
