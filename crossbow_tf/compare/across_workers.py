@@ -7,7 +7,7 @@ import os
 
 from baselines import AVERAGING_METHODS
 from crossbow_tf.compare.report import fmt, markdown_table
-from crossbow_tf.compare.stats import cross_worker_statistics, seed_statistics
+from crossbow_tf.compare.stats import cross_worker_statistics, over_seeds
 
 CLAIMED_SPEEDUP = 1.3     # the paper's smallest TTA gain; the threshold across workers
 LOOPBACK = "loopback"
@@ -46,12 +46,7 @@ def network_stats(runs):
     if not summaries:
         return None
     across = cross_worker_statistics([summary.get("cross_worker") for summary in summaries]) or {}
-    return dict(seeds=len(summaries), of=len(runs), complete=len(summaries) == len(runs),
-                reached=sum(summary["reached"] for summary in summaries),
-                tta=seed_statistics([summary["tta"] for summary in summaries]),
-                epochs=seed_statistics([summary["epochs_to_target"] for summary in summaries]),
-                best_accuracy=seed_statistics([summary["best_accuracy"] for summary in summaries
-                                               if summary["best_accuracy"] is not None]),
+    return dict(over_seeds(summaries, len(runs)),
                 ms_per_iteration=across.get("step_ms_per_iteration", (None,))[0],
                 mb_per_iteration=(lambda b: None if b is None else b / 1e6)(
                     across.get("bytes_per_iteration", (None,))[0]))

@@ -301,7 +301,7 @@ class Runner:
         start = time.time()
         code, error = self._spawn(job, paths, timeout, load, extra, slot)
         duration = time.time() - start
-        limit = job.network or (self.network if job.workers > 1 and not self.hosts else None)
+        limit = self._limit(job)
         if limit is not None:   # the results say which network they measured (loopback: no "network")
             _stamp_network(paths["json"], limit)
         with self._lock:
@@ -334,6 +334,11 @@ class Runner:
             self.say(f"      {outcome}; best {fmt(summary['best_accuracy'], 4)}; "
                      f"{fmt(summary['images_per_second'], 0)} images/s; "
                      f"process {record.duration:.0f}s{self._who(job)}")
+
+    def _limit(self, job):
+        """The bandwidth limit JOB's workers run behind (its own, the limits phase's, else the runner's
+        CROSSBOW_NETWORK, which is None with hosts); None for loopback or one worker."""
+        return (job.network or self.network) if job.workers > 1 else None
 
     def progress_line(self, finishing=1):
         """'study: n of N trials done (r running)', from the storage (every process's trials), with
@@ -391,13 +396,13 @@ class Runner:
             return 2, self.hosts_error
         if self.hosts and len(self.hosts) < job.workers:
             return 2, f"{job.workers} workers need {job.workers} hosts; CROSSBOW_HOSTS/CROSSBOW_HOSTFILE name {len(self.hosts)}"
-        limit = job.network or self.network
+        limit = self._limit(job)
         if job.network is not None and (job.workers == 1 or self.hosts):
             return 2, (f"a run behind {job.network.text()} needs its {job.workers} worker(s) started here in "
                        "namespaces" + (", not on CROSSBOW_HOSTS/CROSSBOW_HOSTFILE's hosts" if self.hosts else ""))
         with contextlib.ExitStack() as stack:
             try:
-                net = stack.enter_context(netns.Network(job.workers, limit)) if limit and job.workers > 1 else None
+                net = stack.enter_context(netns.Network(job.workers, limit)) if limit else None
             except (netns.NetworkError, OSError) as e:   # the machine refused namespaces: a failed trial
                 return 2, f"network namespaces behind {limit.text()}: {e}"
             configs = (launch.tf_configs(job.workers, net.addresses if net else self.hosts) if job.workers > 1
@@ -419,6 +424,7 @@ class Runner:
                                               slot.cpus if slot is not None else None))
             error = launch.supervise(processes, timeout, on_line)
         return launch.outcome(processes, error)
+
 
 def _stamp_network(path, limit):
     """Writes into the results file at PATH (when the run wrote one) the limit its workers ran behind:

@@ -57,7 +57,7 @@ def best_trial(trials, by="tta"):
     Trials that never reach rank after those that do, by median best accuracy.
     """
     def key(i):
-        ok = [s for s in trials[i] if s is not None]
+        ok = [summary for summary in trials[i] if summary is not None]
         if not ok:
             return (2, 0, 0, 0)
         tta = seed_statistics([summary["tta"] for summary in ok])[0]
@@ -92,6 +92,17 @@ def compare_rows(spec, outcome):
 
 CROSS_WORKER_FIGURES = ("step_ms_per_iteration", "compute_ms_per_iteration", "collective_ms_per_iteration",
                         "bytes_per_iteration")
+
+
+def over_seeds(summaries, planned):
+    """What a report says of one setting's finished runs (SUMMARIES) out of PLANNED seeds: how many
+    finished and reached, and the median [range] of epochs to target, TTA and best accuracy."""
+    return dict(seeds=len(summaries), of=planned, complete=len(summaries) == planned,
+                reached=sum(summary["reached"] for summary in summaries),
+                epochs=seed_statistics([summary["epochs_to_target"] for summary in summaries]),
+                tta=seed_statistics([summary["tta"] for summary in summaries]),
+                best_accuracy=seed_statistics([summary["best_accuracy"] for summary in summaries
+                                               if summary["best_accuracy"] is not None]))
 
 
 def cross_worker_statistics(figures):

@@ -9,7 +9,7 @@ from crossbow_tf.compare import across_workers, plan, plots
 from crossbow_tf.compare.plan import describe
 from crossbow_tf.compare.report import fmt, fmt_stat, markdown_table, relative_path, write_json
 from crossbow_tf.compare.runner import machine_info
-from crossbow_tf.compare.stats import best_trial, run_summary, seed_statistics
+from crossbow_tf.compare.stats import best_trial, over_seeds, run_summary, seed_statistics
 from crossbow_tf.results import format_problems
 
 
@@ -143,14 +143,9 @@ def cell_stats(spec, state):
         return None
     summaries = [r[0] for r in final]
     return dict(
-        seeds=len(final), of=len(spec.seeds), complete=len(final) == len(spec.seeds),
-        reached=sum(summary["reached"] for summary in summaries),
+        over_seeds(summaries, len(spec.seeds)),
         collapsed=sum(summary["collapsed"] for summary in summaries),
         diverged=sum(summary["diverged"] for summary in summaries),
-        epochs=seed_statistics([summary["epochs_to_target"] for summary in summaries]),
-        tta=seed_statistics([summary["tta"] for summary in summaries]),
-        best_accuracy=seed_statistics([summary["best_accuracy"] for summary in summaries
-                                       if summary["best_accuracy"] is not None]),
         images_per_second=seed_statistics([summary["images_per_second"] for summary in summaries]),
         setting=describe(state["best"]["point"]) if state["best"]["point"] else "fixed setting")
 
