@@ -42,7 +42,7 @@ from crossbow_tf.compare import across_workers, study_report  # noqa: E402
 from crossbow_tf.compare.plan import describe, plan_study  # noqa: E402
 from crossbow_tf.compare.report import fmt, markdown_table  # noqa: E402
 from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study  # noqa: E402
-from crossbow_tf.compare.stats import best_trial, seed_statistics  # noqa: E402
+from crossbow_tf.compare.stats import best_trial, over_seeds  # noqa: E402
 from crossbow_tf.config import make_rule  # noqa: E402
 from crossbow_tf.distribute.traffic import ring_bytes  # noqa: E402
 from crossbow_tf.errors import ConfigError, CrossbowError  # noqa: E402
@@ -200,9 +200,9 @@ def series_inputs(folder, cell, spec, chosen, rule, per_byte_ms):
     """Inputs of CELL from its CHOSEN runs (files named relative to the study's FOLDER). PER_BYTE_MS: the
     loopback transfer rate that turns a stock step (compute and transfer, not timed apart) into its compute."""
     trial, runs, how = chosen
-    summaries = [r[0] for r in runs]
+    over = over_seeds([r[0] for r in runs], len(runs))
     cross = [r[2]["cross_worker"] for r in runs]
-    epochs = seed_statistics([s["epochs_to_target"] for s in summaries])[0]
+    epochs = over["epochs"][0]
     iterations_per_epoch = int(statistics.median(r[2]["iterations_per_epoch"] for r in runs))
     reached = epochs is not None
     effective = epochs if reached else spec.epochs
@@ -221,12 +221,12 @@ def series_inputs(folder, cell, spec, chosen, rule, per_byte_ms):
     return Inputs(
         name=cell.series.name, method=cell.series.method, trial=trial["label"],
         setting=describe(trial["point"]) if trial["point"] else "fixed",
-        choice=how, runs=len(runs), reached=sum(s["reached"] for s in summaries), epochs=effective,
+        choice=how, runs=len(runs), reached=over["reached"], epochs=effective,
         reached_target=reached, iterations_per_epoch=iterations_per_epoch, workers=cross[0]["workers"],
         compute_ms=compute, compute_source=source, step_ms=step,
         payload_bytes=statistics.median(c["payload_bytes"] for c in cross),
         syncs=sum(rule.synchronises(t, iterations_per_epoch) for t in range(iterations)),
-        schedule=schedule_words(rule), measured_tta=seed_statistics([s["tta"] for s in summaries])[0],
+        schedule=schedule_words(rule), measured_tta=over["tta"][0],
         files=tuple(os.path.relpath(r[3], folder) for r in runs))
 
 
@@ -338,13 +338,12 @@ def limit_checks(folder, spec, cells, inputs, alpha):
                 continue
             per_iteration = i.compute_ms + 1000 * i.syncs / max(i.iterations, 1) * ring_seconds(
                 i.payload_bytes, i.workers, rate, alpha)
+            over = over_seeds([r[0] for r in runs], len(runs))
             checks.append(LimitCheck(
                 name=i.name, limit=limit[len("net-"):], bits_per_second=rate, projected_step_ms=per_iteration,
                 measured_step_ms=statistics.median(r[2]["cross_worker"]["step_ms_per_iteration"] for r in runs),
                 projected_tta=projected_time(i, i.workers, rate, alpha) if i.reached_target else None,
-                measured_tta=seed_statistics([r[0]["tta"] for r in runs])[0],
-                measured_epochs=seed_statistics([r[0]["epochs_to_target"] for r in runs])[0],
-                reached=sum(r[0]["reached"] for r in runs), runs=len(runs),
+                measured_tta=over["tta"][0], measured_epochs=over["epochs"][0], reached=over["reached"], runs=len(runs),
                 files=tuple(os.path.relpath(r[3], folder) for r in runs)))
     return checks
 
