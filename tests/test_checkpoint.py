@@ -3,18 +3,13 @@
 The kill tests start real training processes, SIGKILL them at seeded random moments, resume each
 one, and compare the final state bit for bit with an uninterrupted run of the same seed.
 """
-import atexit
 import json
 import os
 import queue
 import random
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -37,6 +32,7 @@ from crossbow_tf.errors import TrainingDiverged, TrainingInterrupted
 from crossbow_tf.results import RunResults
 from crossbow_tf.run import main, parse_args
 from crossbow_tf.run import run as run_command
+from forking import ForkedProcess, stop_fork_server  # noqa: F401  (the module's fork server, stopped at its end)
 from test_data_formats import write_mnist
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -46,78 +42,6 @@ HEADER = "iterations per epoch"   # the run's description line, printed just bef
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-class ForkServer:
-    """tests/fork_server.py, started on first use: it forks the training processes of these tests
-    after importing TensorFlow once (~6 CPU s each saved). Stopped by `stop_fork_server` at the end of
-    each module that uses it, so that its children's CPU counts in that module's tests."""
-    instance = None
-
-    def __init__(self):
-        self.directory = tempfile.mkdtemp(prefix="crossbow-test-fork-")
-        self.path = os.path.join(self.directory, "socket")
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "fork_server.py"), self.path],
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        assert self.proc.stdout.readline() == "ready\n", "the fork server did not start"
-
-    @classmethod
-    def get(cls):
-        if cls.instance is None:
-            cls.instance = cls()
-        return cls.instance
-
-    @classmethod
-    def stop(cls):
-        if cls.instance is not None:
-            cls.instance.proc.terminate()
-            cls.instance.proc.wait(60)
-            shutil.rmtree(cls.instance.directory, ignore_errors=True)
-            cls.instance = None
-
-
-atexit.register(ForkServer.stop)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def stop_fork_server():
-    yield
-    ForkServer.stop()
-
-
-class ForkedProcess:
-    """A child of the fork server running `python ARGV...`, with the parts of a Popen the tests use:
-    stdout (stdout and stderr combined), pid, poll, send_signal, wait and returncode (-N: signal N)."""
-
-    def __init__(self, argv):
-        read_end, write_end = os.pipe()
-        self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._connection.connect(ForkServer.get().path)
-        socket.send_fds(self._connection, [json.dumps(list(argv)).encode()], [write_end])
-        os.close(write_end)
-        self.stdout = os.fdopen(read_end, "r")
-        self._replies = self._connection.makefile("r")
-        self.pid = int(self._replies.readline().split()[1])
-        self.returncode, self._exited = None, threading.Event()
-        threading.Thread(target=self._await_exit, daemon=True).start()
-
-    def _await_exit(self):
-        self.returncode = int(self._replies.readline().split()[1])
-        self._connection.close()
-        self._exited.set()
-
-    def poll(self):
-        return self.returncode
-
-    def send_signal(self, signum):
-        if not self._exited.is_set():
-            os.kill(self.pid, signum)
-
-    def wait(self, timeout=None):
-        if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(str(self.pid), timeout)
-        return self.returncode
-
 
 class Process:
     """A training process whose combined output is read line by line as it comes."""

@@ -13,6 +13,10 @@ import yaml
 import crossbow_tf.compare as harness
 from crossbow_tf.compare import cli as compare, sweep
 from crossbow_tf.results import EVALUATION_KEYS, RunResults, format_problems
+from forking import forked_runs  # noqa: F401  (a fixture)
+
+# Training processes are forked from a server that imported TensorFlow once (tests/forking.py).
+pytestmark = pytest.mark.usefixtures("forked_runs")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,12 @@ import time
 import numpy as np
 import pytest
 
+import forking
 from crossbow_tf.distribute.cluster import local_tf_configs
+from forking import forked_runs  # noqa: F401  (a fixture)
+
+# The workers are forked from a server that imported TensorFlow once (tests/forking.py).
+pytestmark = pytest.mark.usefixtures("forked_runs")
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "multiworker_worker.py")
 TIMEOUT = 12   # the worker timeout of these tests (default 60 s)
@@ -30,12 +35,15 @@ def cluster_configs(n):
     return configs, [int(json.loads(c)["cluster"]["worker"][i].rsplit(":", 1)[1]) for i, c in enumerate(configs)]
 
 
-def start(args, tf_config_text=None, cwd=None):
+def start(args, tf_config_text=None, cwd=None, python=forking.PYTHON):
+    """`python ARGS` as a worker of TF_CONFIG_TEXT (None: on its own). PYTHON: forked (see
+    tests/forking.py), or sys.executable where the test stops the worker's own process (SIGSTOP
+    would stop the stand-in, not the worker)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     if tf_config_text is not None:
         env["TF_CONFIG"] = tf_config_text
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen([python, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=cwd)
 
 
@@ -283,7 +291,7 @@ def test_a_lost_worker_stops_the_other_with_one_clear_error(failure, tmp_path):
     configs, ports = cluster_configs(2)
     args = run_args("--config", small_config(tmp_path / "run.yaml"), "--epochs", "50", "--learners-per-device", "2")
     chief = start(args, configs[0])
-    worker = start(args, configs[1])
+    worker = start(args, configs[1], python=forking.PYTHON if failure == "dies" else sys.executable)
     try:
         wait_for_line(chief, "stdout", "epoch   1/50", timeout=START_UP + 120)
         if failure == "dies":

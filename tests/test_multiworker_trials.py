@@ -17,6 +17,11 @@ import yaml
 from crossbow_tf.compare import cli as compare, launch
 from crossbow_tf.compare.runner import Job, Runner, prepare_out_dir
 from crossbow_tf.distribute.cluster import local_tf_configs
+import forking
+from forking import forked_runs  # noqa: F401  (a fixture)
+
+# Training processes are forked from a server that imported TensorFlow once (tests/forking.py).
+pytestmark = pytest.mark.usefixtures("forked_runs")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +97,7 @@ def test_a_two_worker_trial_of_the_harness_equals_the_same_run_launched_by_hand(
         across["step_ms_per_iteration"] - across["collective_ms_per_iteration"])
     assert "waiting in all-reduce ms/iteration" in (out / "report.md").read_text()
     # The same config, launched as docs/multiworker.md launches it: each worker with its TF_CONFIG.
-    procs = [subprocess.Popen([sys.executable, "-m", "crossbow_tf.run", "--config", f"{run}.yaml",
+    procs = [subprocess.Popen([forking.PYTHON, "-m", "crossbow_tf.run", "--config", f"{run}.yaml",
                                "--results", str(tmp / f"by_hand{i}.json")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
                               env=dict(os.environ, PYTHONPATH=REPO, TF_CONFIG=config, TF_CPP_MIN_LOG_LEVEL="2"),

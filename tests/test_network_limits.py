@@ -13,6 +13,10 @@ from crossbow_tf.compare import across_workers, netns, reproduce, trials as tria
 from crossbow_tf.compare.loops import limit_plan, study_items
 from crossbow_tf.compare.runner import Job, Runner, prepare_out_dir
 from crossbow_tf.errors import ConfigError
+from forking import forked_runs  # noqa: F401  (a fixture)
+
+# Training processes are forked from a server that imported TensorFlow once (tests/forking.py).
+pytestmark = pytest.mark.usefixtures("forked_runs")
 from test_reproduce import EXPERIMENT, fashion_dir, plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

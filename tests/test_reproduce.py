@@ -13,6 +13,10 @@ from crossbow_tf.data import load_dataset
 from crossbow_tf.compare.loops import study_items
 from crossbow_tf.errors import ConfigError, DataError
 from crossbow_tf.results import first_reaching, reaches
+from forking import forked_runs  # noqa: F401  (a fixture)
+
+# Training processes are forked from a server that imported TensorFlow once (tests/forking.py).
+pytestmark = pytest.mark.usefixtures("forked_runs")
 from test_data_formats import write_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

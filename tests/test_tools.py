@@ -2,16 +2,21 @@
 import os
 import re
 import subprocess
-import sys
 
 import pytest
+
+import forking
+from forking import forked_runs  # noqa: F401  (a fixture)
+
+# Training processes are forked from a server that imported TensorFlow once (tests/forking.py).
+pytestmark = pytest.mark.usefixtures("forked_runs")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_tool(*args, timeout=600):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([forking.PYTHON, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
 
 
