@@ -1,6 +1,7 @@
 """Multi-worker trials launched by the harness (``workers: 2`` in a method's settings), on 127.0.0.1:
 the harness's run equals the same run launched by hand, the stock baseline runs under
 MultiWorkerMirroredStrategy, and a worker killed mid-trial is a lost worker whose trial runs again."""
+import argparse
 import json
 import math
 import os
@@ -14,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from crossbow_tf.compare import cli as compare, launch
+from crossbow_tf.compare import cli as compare, launch, trials as trials_lib
 from crossbow_tf.compare.runner import Job, Runner, prepare_out_dir
 from crossbow_tf.distribute.cluster import local_tf_configs
 import forking
@@ -277,19 +278,27 @@ if config["task"]["index"] == 0:
 '''
 
 
-def test_workers_on_named_hosts_start_through_the_launcher_with_the_hosts_in_their_tf_config(tmp_path, monkeypatch):
+@pytest.mark.parametrize("given", ["CROSSBOW_HOSTFILE", "--hostfile", "--hosts"])
+def test_workers_on_named_hosts_start_through_the_launcher_with_the_hosts_in_their_tf_config(tmp_path, monkeypatch,
+                                                                                            given):
     stand_in = tmp_path / "python"
     stand_in.write_text(WORKER_STAND_IN.format(python=sys.executable))
     stand_in.chmod(0o755)
     calls = tmp_path / "calls"
     monkeypatch.setenv("STAND_IN_CALLS", str(calls))
     (tmp_path / "hostfile").write_text("# the study's machines\nnode-a:2300  # chief\n\nnode-b:2301\n")
-    monkeypatch.setenv("CROSSBOW_HOSTFILE", str(tmp_path / "hostfile"))
+    monkeypatch.setenv("CROSSBOW_HOSTS", "elsewhere-a,elsewhere-b")   # the flags win over the environment
+    if given == "CROSSBOW_HOSTFILE":
+        monkeypatch.setenv("CROSSBOW_HOSTFILE", str(tmp_path / "hostfile"))
+    argv = {"--hostfile": ["--hostfile", str(tmp_path / "hostfile")], "--hosts": ["--hosts", "node-a:2300,node-b:2301"]}
+    parser = argparse.ArgumentParser()
+    trials_lib.add_arguments(parser)
+    options = trials_lib.options(parser.parse_args(argv.get(given, [])), str(tmp_path / "report"))
     # A launcher that runs the command here ("ssh {host}" or srun's in real use), told the host.
     monkeypatch.setenv("CROSSBOW_LAUNCHER", "env LAUNCHED_ON={host}")
     out = tmp_path / "report"
     prepare_out_dir(str(out))
-    runner = Runner(str(out), 1, out=open(os.devnull, "w"), python=str(stand_in))
+    runner = Runner(str(out), 1, out=open(os.devnull, "w"), python=str(stand_in), trials=options)
     record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", "t00_s0", "t00", 0, workers=2), 0.5, 60)
     assert record.summary is not None and record.summary["reached"], record.error
     configs = sorted((json.loads(line) for line in calls.read_text().splitlines()),

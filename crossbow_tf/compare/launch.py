@@ -27,6 +27,7 @@ PEER_GRACE = 20.0
 LOST_WORKER = 4      # crossbow_tf.distribute.cluster.ClusterError's exit code
 DEFAULT_LAUNCHER = "srun --nodes=1 --ntasks=1 --nodelist={host}"
 DEFAULT_PORT = 2222
+HOSTS_GIVEN = "--hosts/--hostfile (CROSSBOW_HOSTS/CROSSBOW_HOSTFILE)"   # where named machines come from
 # The methods whose command trains on the workers TF_CONFIG names (the engine's crossbow_tf.run,
 # and the stock baseline under MultiWorkerMirroredStrategy).
 MULTI_WORKER_METHODS = ("sma", "localsgd", "tf_ssgd")
@@ -74,6 +75,23 @@ def read_hostfile(path):
     """Host names of a hostfile: one a line (the first word; # comments and blank lines skipped)."""
     with open(path) as f:
         return [line.split("#")[0].split()[0] for line in f if line.split("#")[0].strip()]
+
+
+def named_hosts(hosts=None, hostfile=None, environ=None):
+    """The machines of multi-worker trials and the error that stops them, (hosts or None, error or
+    None): HOSTS (--hosts) or HOSTFILE's (--hostfile), else CROSSBOW_HOSTFILE's or CROSSBOW_HOSTS=a,b
+    in ENVIRON (default os.environ); (None, None): workers on free local ports."""
+    environ = os.environ if environ is None else environ
+    source = "--hostfile"
+    if not hosts and not hostfile:
+        hostfile, source = environ.get("CROSSBOW_HOSTFILE"), "CROSSBOW_HOSTFILE"
+        hosts = [h.strip() for h in environ.get("CROSSBOW_HOSTS", "").split(",") if h.strip()]
+    if hostfile:
+        try:
+            return read_hostfile(hostfile) or None, None
+        except OSError as e:   # every multi-worker trial fails with this line
+            return None, f"{source} {hostfile}: {e.strerror}"
+    return list(hosts) or None, None
 
 
 def worker_command(command, tf_config, host=None, launcher=DEFAULT_LAUNCHER):

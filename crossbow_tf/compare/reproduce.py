@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from crossbow_tf.compare import netns, study_report
+from crossbow_tf.compare import launch, netns, study_report
 from crossbow_tf.compare import trials as trials_lib
 from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_devices, trial_gpus
 from crossbow_tf.compare.report import check_report_dir, command_line, copy_config, relative_path, write_json
@@ -79,9 +79,9 @@ def limits_phase(args, spec, cells, say):
             "not run at the limits")
     if len(alone) == len({c.series.name for c in cells}):
         return False
-    if os.environ.get("CROSSBOW_HOSTS") or os.environ.get("CROSSBOW_HOSTFILE"):
-        say("reproduce: limits: the phase runs its workers on this machine in network namespaces, not on "
-            "CROSSBOW_HOSTS/CROSSBOW_HOSTFILE's hosts; not run")
+    if any(launch.named_hosts(args.hosts, args.hostfile)):
+        say("reproduce: limits: the phase runs its workers on this machine in network namespaces, not on the "
+            f"hosts of {launch.HOSTS_GIVEN}; not run")
         return False
     refused = netns.refusal()
     if refused:

@@ -172,15 +172,10 @@ class Runner:
         self.trials = trials               # trials.Options of the study (None: in memory, one at a time)
         self.study = None                  # the trials.Study of the last loop
         self.offset = 0                    # runs of earlier studies of this command (compare, then sweep)
-        # Named machines for multi-worker runs (CROSSBOW_HOSTS=a,b or CROSSBOW_HOSTFILE), started
-        # through CROSSBOW_LAUNCHER (default: srun on that node); else local workers on free ports.
+        # Named machines for multi-worker runs (--hosts/--hostfile, else CROSSBOW_HOSTS/CROSSBOW_HOSTFILE),
+        # started through CROSSBOW_LAUNCHER (default: srun on that node); else local workers on free ports.
         self._lock = threading.RLock()
-        hostfile, self.hosts_error = os.environ.get("CROSSBOW_HOSTFILE"), None
-        try:
-            self.hosts = (launch.read_hostfile(hostfile) if hostfile else
-                          [h for h in os.environ.get("CROSSBOW_HOSTS", "").split(",") if h.strip()]) or None
-        except OSError as e:   # every multi-worker trial fails with this line
-            self.hosts, self.hosts_error = None, f"CROSSBOW_HOSTFILE {hostfile}: {e.strerror}"
+        self.hosts, self.hosts_error = launch.named_hosts(*((trials.hosts, trials.hostfile) if trials else ()))
         self.launcher = os.environ.get("CROSSBOW_LAUNCHER", launch.DEFAULT_LAUNCHER)
         self.network = self._network(os.environ.get("CROSSBOW_NETWORK"))
         self.done, self.started = 0, time.time()
@@ -395,11 +390,11 @@ class Runner:
         if job.workers > 1 and self.hosts_error:
             return 2, self.hosts_error
         if self.hosts and len(self.hosts) < job.workers:
-            return 2, f"{job.workers} workers need {job.workers} hosts; CROSSBOW_HOSTS/CROSSBOW_HOSTFILE name {len(self.hosts)}"
+            return 2, f"{job.workers} workers need {job.workers} hosts; {launch.HOSTS_GIVEN} name {len(self.hosts)}"
         limit = self._limit(job)
         if job.network is not None and (job.workers == 1 or self.hosts):
             return 2, (f"a run behind {job.network.text()} needs its {job.workers} worker(s) started here in "
-                       "namespaces" + (", not on CROSSBOW_HOSTS/CROSSBOW_HOSTFILE's hosts" if self.hosts else ""))
+                       "namespaces" + (f", not on the hosts of {launch.HOSTS_GIVEN}" if self.hosts else ""))
         with contextlib.ExitStack() as stack:
             try:
                 net = stack.enter_context(netns.Network(job.workers, limit)) if limit else None

@@ -18,6 +18,7 @@ is counted once. On a journal storage, which Optuna gives no heartbeat, the work
 user attribute of the trial and fail a silent one themselves (``Study.fail_silent_trials``).
 Nothing here imports TensorFlow.
 """
+import argparse
 import dataclasses
 import hashlib
 import os
@@ -31,6 +32,7 @@ import optuna
 from optuna.storages import fail_stale_trials
 from optuna.trial import TrialState
 
+from crossbow_tf.compare.launch import read_hostfile
 from crossbow_tf.device_choice import visible_gpu_ids
 from crossbow_tf.errors import ConfigError
 
@@ -436,10 +438,20 @@ class Options:
     heartbeat: int = DEFAULT_HEARTBEAT
     gpus_per_trial: int = None
     replan: bool = False      # --resume without --worker: plan anew, rerun what failed
+    hosts: tuple = None       # --hosts: the machines of multi-worker trials (host or host:port each)
+    hostfile: str = None      # --hostfile: a file naming them, one a line
+
+
+def host_names(text):
+    """--hosts's value: comma-separated host or host:port names."""
+    names = [h.strip() for h in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty host name; give HOST[,HOST...]")
+    return tuple(names)
 
 
 def add_arguments(parser):
-    """--parallel, --storage, --worker, --study-name, --heartbeat, --gpus-per-trial."""
+    """--parallel, --storage, --worker, --study-name, --heartbeat, --gpus-per-trial, --hosts, --hostfile."""
     parser.add_argument("--parallel", type=int, default=1, metavar="N",
                         help="run N trials side by side on this machine, each in its own process with its share "
                              "of the cores or its own GPUs")
@@ -455,6 +467,13 @@ def add_arguments(parser):
                              "trial runs again")
     parser.add_argument("--gpus-per-trial", type=int, metavar="D",
                         help="GPUs each trial is pinned to with --parallel (default: an equal share)")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("--hosts", type=host_names, metavar="HOST[,HOST...]",
+                       help="machines of multi-worker trials: worker i on the i-th, started through "
+                            "CROSSBOW_LAUNCHER (default: srun on that node); default: free ports on this machine "
+                            "(or CROSSBOW_HOSTS)")
+    hosts.add_argument("--hostfile", metavar="FILE",
+                       help="the machines of --hosts in a file, one a line (# comments; or CROSSBOW_HOSTFILE)")
 
 
 def check_counts(parallel, gpus_per_trial=None, heartbeat=None):
@@ -472,9 +491,17 @@ def options(args, out):
     if args.worker and getattr(args, "force", False):
         raise ConfigError("--worker cannot be combined with --force (a worker never empties the report directory)")
     check_counts(args.parallel, args.gpus_per_trial, args.heartbeat)
+    if args.hostfile:
+        try:
+            named = read_hostfile(args.hostfile)
+        except OSError as e:
+            raise ConfigError(f"--hostfile {args.hostfile}: {e.strerror}") from None
+        if not named:
+            raise ConfigError(f"--hostfile {args.hostfile} names no host")
     return Options(storage=args.storage, name=args.study_name or default_name(out, getattr(args, "config", None)),
                    worker=args.worker, parallel=args.parallel, heartbeat=args.heartbeat,
-                   gpus_per_trial=args.gpus_per_trial, replan=bool(getattr(args, "resume", False)) and not args.worker)
+                   gpus_per_trial=args.gpus_per_trial, replan=bool(getattr(args, "resume", False)) and not args.worker,
+                   hosts=args.hosts, hostfile=args.hostfile)
 
 
 NAME_FILE = ".crossbow_study"   # in the report directory: the study's default name, for --resume
