@@ -305,15 +305,18 @@ def tiny_cnn(input_shape, num_classes):
 
 
 def test_sigkill_then_resume_with_adam_state_stacked_per_learner_is_bit_identical(tmp_path):
-    """crossbow_tf.run with `optimizer: {name: adam}` (the BatchNorm + Dropout model of the checkpoint
-    tests): the checkpoint holds Adam's step count and moments of every learner, and a run killed
-    and resumed ends bit for bit where an uninterrupted one does."""
+    """crossbow_tf.run with `optimizer: {name: adam}` (a BatchNorm + Dropout model, that of the
+    checkpoint tests without its convolution: adam_checkpoint_model.py): the checkpoint holds Adam's
+    step count and moments of every learner, and a run killed and resumed ends bit for bit where an
+    uninterrupted one does."""
+    import os
     import random
     import signal
 
     from crossbow_tf.engine.checkpoint import checkpoint_paths
-    from test_checkpoint import DRIVER, Process, assert_bit_identical, kill_and_resume, tiny_config
-    config = tiny_config(tmp_path, model=f"{DRIVER}:bn_dropout", optimizer={"name": "adam"},
+    from test_checkpoint import Process, assert_bit_identical, kill_and_resume, tiny_config
+    model = os.path.join(os.path.dirname(__file__), "adam_checkpoint_model.py") + ":bn_dropout_dense"
+    config = tiny_config(tmp_path, model=model, optimizer={"name": "adam"},
                          learning_rate={"base": 0.003, "drops_at_epochs": [1]}, epochs=2,
                          checkpoint={"every_iterations": 3})
     command = ["-m", "crossbow_tf.run", "--config", config, "--checkpoint-dir"]
@@ -339,6 +342,9 @@ def test_sigkill_then_resume_with_adam_state_stacked_per_learner_is_bit_identica
     assert sorted(noise.values()) == sorted([s[1:] for s in weights.values()] * 2)
     assert all(reader.get_tensor(k).max() > 0 for k in noise)
     assert "noise matching (decay 0.999)" in reference.output
+    # BatchNorm's moving mean and variance and Dropout's seed, per learner of each device, are in it too.
+    states = [s for k, s in reader.get_variable_to_shape_map().items() if k.startswith("states/")]
+    assert sorted(states) == sorted([[2, 16], [2, 16], [2, 2]] * 2)
 
 
 # --- noise matching ----------------------------------------------------------------------------------
