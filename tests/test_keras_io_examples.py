@@ -10,7 +10,8 @@ epochs cut. The short form trains the classifiers for 1 epoch on 2,048 digits (1
 few for a 3-point comparison to mean anything: .ci/run checks that at the full form's size
 (`--require-within 3`, issue 18: with Adam and RMSprop it takes noise matching, use_sma's default
 for them; docs/keras.md has the figures). The tool runs in its own process because its strategy line splits
-the CPU into 2 logical devices right after the imports, as a user's script would.
+the CPU into 2 logical devices right after the imports, as a user's script would; its two runs here
+(the classifiers, the NLP scripts) share that process.
 """
 import json
 import os
@@ -19,18 +20,43 @@ import sys
 
 import pytest
 
+from keras_io_runs import split_runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("mnist_convnet", "antirectifier", "writing_your_own_callbacks", "training_with_built_in_methods")
 
+# --require-within 20: the short form's own bound (below), checked by the tool's exit code as .ci/run's
+# full-size check is with 3.
+CLASSIFIER_RUN = ["--short", "--require-within", "20"]
+NLP_SCRIPTS = ("text_classification_with_transformer", "bidirectional_lstm_imdb")
+# keras-io's two IMDB scripts on the offline token task (crossbow_tf.data.synthetic_imdb), short
+# form: 256 reviews of at most 40 ids, 1 epoch; --require-fused exits 1 exactly when an SMA run
+# logged the engine's "learners run replicated" notice.
+NLP_RUN = ["--short", "--scripts", *NLP_SCRIPTS, "--require-fused"]
+
 
 @pytest.fixture(scope="module")
-def runs():
-    # --require-within 20: the short form's own bound (below), checked by the tool's exit code as .ci/run's
-    # full-size check is with 3.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "keras_io_examples.py"), "--short",
-                           "--require-within", "20"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+def tool_runs():
+    """The tool's two runs as CompletedProcess, {"classifiers": ..., "nlp": ...}.
+
+    Both run in one process (tests/keras_io_runs.py: one TensorFlow start and one strategy line for
+    the two instead of two); each run's exit code and output are its own, split at the line the
+    helper prints after each run."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "keras_io_runs.py"),
+                           json.dumps([CLASSIFIER_RUN, NLP_RUN])],
+                          capture_output=True, text=True, timeout=1200, cwd=ROOT,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs, errs = split_runs(proc.stdout), split_runs(proc.stderr)
+    assert len(outs) == len(errs) == 2, proc.stderr[-3000:]
+    assert [code for code, _ in outs] == [code for code, _ in errs]
+    return {name: subprocess.CompletedProcess(name, code, out, err)
+            for name, (code, out), (_, err) in zip(("classifiers", "nlp"), outs, errs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def runs(tool_runs):
+    proc = tool_runs["classifiers"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| script | step | plain Keras | SMA |" in proc.stdout
     assert "SMA is within 20 points of plain Keras on every classifier" in proc.stdout
@@ -84,18 +110,9 @@ def test_callbacks_see_the_same_hooks_and_logs(runs):
         assert hook in hooks
 
 
-NLP_SCRIPTS = ("text_classification_with_transformer", "bidirectional_lstm_imdb")
-
-
 @pytest.fixture(scope="module")
-def nlp_runs():
-    # keras-io's two IMDB scripts on the offline token task (crossbow_tf.data.synthetic_imdb), short
-    # form: 256 reviews of at most 40 ids, 1 epoch; --require-fused exits 1 exactly when an SMA run
-    # logged the engine's "learners run replicated" notice.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "keras_io_examples.py"), "--short",
-                           "--scripts", *NLP_SCRIPTS, "--require-fused"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+def nlp_runs(tool_runs):
+    proc = tool_runs["nlp"]
     runs = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
     return proc, runs
 
