@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from crossbow_tf import CrossbowStrategy
 from crossbow_tf.keras import get_training, use_sma
+from keras_learners import four_learners
 
 EPOCHS = 3
 
@@ -38,7 +38,7 @@ def _model(seed=1, lr=0.05):
 
 
 def _sma_model(cpu_devices, seed=1, lr=0.05):
-    return use_sma(_model(seed, lr), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
+    return use_sma(_model(seed, lr), four_learners(cpu_devices))
 
 
 class Snapshots(keras.callbacks.Callback):

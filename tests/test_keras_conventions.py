@@ -15,8 +15,9 @@ import tensorflow as tf
 
 from crossbow_tf import CrossbowStrategy
 from crossbow_tf.keras import get_training, use_sma
+from keras_learners import four_learners
 
-K, B = 4, 6           # 4 learners (2 devices x 2) of 6 examples: a global batch G = 24
+K, B = 4, 6           # 4 learners (keras_learners.four_learners) of 6 examples: a global batch G = 24
 G = K * B
 
 
@@ -39,7 +40,7 @@ def _mlp(seed=1, with_input=True, **compile_options):
 
 
 def _strategy(cpu_devices):
-    return CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2)
+    return four_learners(cpu_devices)
 
 
 def _assert_same_weights(a, b, atol=1e-5):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from crossbow_tf import CrossbowStrategy
 from crossbow_tf.keras import get_training, use_sma
+from keras_learners import four_learners
 
 K, B = 4, 6          # 4 learners of 6 examples: a global batch of K * B = 24 per step
 G = K * B
@@ -27,7 +27,7 @@ def _model(optimizer=None, loss=None, seed=1):
 
 
 def _sma(cpu_devices, **kwargs):
-    return use_sma(_model(**kwargs), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
+    return use_sma(_model(**kwargs), four_learners(cpu_devices))
 
 
 class Batches(keras.utils.PyDataset):
@@ -110,7 +110,7 @@ def test_train_on_batch_splits_one_global_batch(cpu_devices):
     x, y = _data(24)
     plain = _model()
     plain.train_on_batch(x, y)
-    model = use_sma(_model(), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2), algorithm="ssgd")
+    model = use_sma(_model(), four_learners(cpu_devices), algorithm="ssgd")
     model.train_on_batch(x, y)
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
@@ -132,7 +132,7 @@ def test_set_weights_between_fits_restarts_learners_from_them(cpu_devices):
 
 # ----------------------------------------------------------------------------------------- errors
 def _strategy(cpu_devices):
-    return CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2)
+    return four_learners(cpu_devices)
 
 
 @pytest.mark.parametrize("optimizer,message", [
