@@ -177,19 +177,31 @@ def experiment(**changes):
                      learners_per_device=2, batch_size=16, learning_rate={"base": 0.05}, epochs=1, seed=0), **changes)
 
 
+def tiny_model(folder):
+    """A user's model file in FOLDER (a convolution and a dense layer), as the config's model key names it."""
+    (folder / "tiny.py").write_text(
+        "import keras\n"
+        "def build(input_shape, num_classes):\n"
+        "    return keras.Sequential([keras.Input(input_shape),\n"
+        "                             keras.layers.Conv2D(8, 5, strides=2, activation='relu'),\n"
+        "                             keras.layers.Flatten(), keras.layers.Dense(num_classes)])\n")
+    return f"{folder / 'tiny.py'}:build"
+
+
 def test_the_cli_trains_under_mixed_bfloat16_and_records_it(tmp_path, capsys):
     # The command's main in this process (a process of its own costs 6 CPU s to import TensorFlow):
     # on one of the session's devices with the 4 learners the 2 x 2 of experiment() would have.
+    # A small convnet: what is recorded and that it learns do not need LeNet's size.
     from crossbow_tf.run import main as run
     results = tmp_path / "r.json"
-    config = write(tmp_path / "c.yaml", experiment(devices={}, learners_per_device=4))
+    config = write(tmp_path / "c.yaml", experiment(devices={}, learners_per_device=4, model=tiny_model(tmp_path)))
     code = run(["--config", config, "--precision", "mixed_bfloat16", "--results", str(results)])
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     d = json.loads(results.read_text())
     assert d["config"]["precision"] == "mixed_bfloat16" and ", precision mixed_bfloat16" in out.out
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"   # set for the run, as a user's script
-    assert d["evaluations"][-1]["accuracy"] > 0.85   # float32: 0.92 after this one epoch
+    assert d["evaluations"][-1]["accuracy"] > 0.85   # float32: 0.879 after this one epoch of the small convnet
 
 
 @pytest.mark.parametrize("policy, optimizer", [("mixed_bfloat16", "SGD"), ("mixed_float16", "LossScaleOptimizer")])
@@ -199,12 +211,7 @@ def test_tf_ssgd_runs_as_a_keras_user_runs_it(tmp_path, capsys, policy, optimize
     from baselines.tf_ssgd import main
     results = tmp_path / "r.json"
     # A small model: float16 kernels on a CPU are slow.
-    (tmp_path / "tiny.py").write_text(
-        "import keras\n"
-        "def build(input_shape, num_classes):\n"
-        "    return keras.Sequential([keras.Input(input_shape), keras.layers.Conv2D(4, 5, strides=2),\n"
-        "                             keras.layers.Flatten(), keras.layers.Dense(num_classes)])\n")
-    cfg = write(tmp_path / "c.yaml", experiment(devices={}, batch_size=64, model=f"{tmp_path / 'tiny.py'}:build"))
+    cfg = write(tmp_path / "c.yaml", experiment(devices={}, batch_size=64, model=tiny_model(tmp_path)))
     assert main(["--config", cfg, "--precision", policy, "--results", str(results)]) == 0
     d = json.loads(results.read_text())
     assert d["config"]["precision"] == policy and d["compiled_optimizer"].endswith(f".{optimizer}")
