@@ -283,15 +283,41 @@ def fit_digits(policy, devices):
     return model, model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
 
 
-def test_fit_under_mixed_bfloat16_reaches_the_accuracy_of_float32(cpu_devices):
+@pytest.fixture(scope="module")
+def float32_fit():
+    """The float32 fit both policies' fits below are held against (run once for the two)."""
+    from tests.conftest import DEVICES
+    return fit_digits("float32", DEVICES[:2])
+
+
+def test_fit_under_mixed_bfloat16_reaches_the_accuracy_of_float32(cpu_devices, float32_fit):
     """A Keras fit through use_sma on the embedded digits, float32 against mixed_bfloat16."""
     accuracy = {}
     for policy in ("float32", "mixed_bfloat16"):
-        model, accuracy[policy] = fit_digits(policy, cpu_devices[:2])
+        model, accuracy[policy] = float32_fit if policy == "float32" else fit_digits(policy, cpu_devices[:2])
         assert {v.dtype for v in model.weights} == {"float32"}
         assert model.layers[0].compute_dtype == policy.split("_")[-1]
     assert accuracy["float32"] > 0.9
     assert abs(accuracy["mixed_bfloat16"] - accuracy["float32"]) < 0.03, accuracy
+
+
+def test_fit_under_mixed_float16_through_use_sma_reaches_the_accuracy_of_float32(cpu_devices, float32_fit):
+    """Keras's compile wraps the SGD in its LossScaleOptimizer; use_sma takes the rate and momentum
+    from the inner SGD and the scale's rules from the wrapper (loss scaling: tests/test_loss_scaling.py)."""
+    import crossbow_tf
+    accuracy = {}
+    for policy in ("float32", "mixed_float16"):
+        model, accuracy[policy] = float32_fit if policy == "float32" else fit_digits(policy, cpu_devices[:2])
+        engine = getattr(model, crossbow_tf.keras.sma._ATTRIBUTE).engine
+        if policy == "mixed_float16":
+            assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+            assert engine.algorithm.momentum == 0.9 and engine.optimizers is None
+            assert 0 < engine.loss_scale.numpy() <= 2.0 ** 15
+        else:
+            assert engine.loss_scale is None
+        assert {v.dtype for v in model.weights if v.dtype.startswith("float")} == {"float32"}
+    assert accuracy["float32"] > 0.9
+    assert abs(accuracy["mixed_float16"] - accuracy["float32"]) < 0.03, accuracy
 
 
 def test_bench_throughput_measures_each_policy_side_by_side(cpu_devices, capsys, monkeypatch):
