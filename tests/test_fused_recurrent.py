@@ -74,6 +74,8 @@ def _fused(layer, weights, x, mask, probes):
 
 
 def _keras(layer, weights, x, mask, probes):
+    """Keras's layer per learner: outputs, gradients and seed states; PROBES may be a function of the
+    outputs (then the probes it made are returned too), which spares a call only to learn their shapes."""
     stacks, seeds = weights
     m = x.shape[0]
     with tf.GradientTape() as tape:
@@ -86,15 +88,17 @@ def _keras(layer, weights, x, mask, probes):
             per_learner.append(tf.nest.flatten(y))
             new_seeds.append(states)
         outputs = [tf.stack(parts) for parts in zip(*per_learner, strict=True)]
-        loss = _loss(outputs, probes)
-    return outputs, tape.gradient(loss, [x] + stacks), [tf.stack(s) for s in zip(*new_seeds, strict=True)]
+        made = probes(outputs) if callable(probes) else probes
+        loss = _loss(outputs, made)
+    result = outputs, tape.gradient(loss, [x] + stacks), [tf.stack(s) for s in zip(*new_seeds, strict=True)]
+    return result + (made,) if callable(probes) else result
 
 
 def _compare(layer, weights, x, mask, rng, outputs, tol):
     """Fused against Keras per learner: outputs, gradients (inputs and weights) and seed states."""
-    shapes_probe = _keras(layer, weights, x, mask, [tf.zeros(())] * outputs)[0]
-    probes = [tf.constant(rng.normal(size=o.shape), tf.float32) for o in shapes_probe]
-    expected, expected_grads, expected_seeds = _keras(layer, weights, x, mask, probes)
+    def random_probes(outputs):
+        return [tf.constant(rng.normal(size=o.shape), tf.float32) for o in outputs]
+    expected, expected_grads, expected_seeds, probes = _keras(layer, weights, x, mask, random_probes)
     got, got_grads, got_seeds = _fused(layer, weights, x, mask, probes)
     assert len(got) == len(expected) == outputs
     for g, e in zip(got, expected, strict=True):

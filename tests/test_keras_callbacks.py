@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from crossbow_tf import CrossbowStrategy
 from crossbow_tf.keras import get_training, use_sma
+from keras_learners import four_learners
 
 EPOCHS = 3
 
@@ -38,7 +38,7 @@ def _model(seed=1, lr=0.05):
 
 
 def _sma_model(cpu_devices, seed=1, lr=0.05):
-    return use_sma(_model(seed, lr), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
+    return use_sma(_model(seed, lr), four_learners(cpu_devices))
 
 
 class Snapshots(keras.callbacks.Callback):
@@ -65,16 +65,29 @@ def _evaluate_plain(weights, x, y):
     return model.evaluate(x, y, batch_size=64, verbose=0)
 
 
-def test_history_and_validation_report_z(cpu_devices):
+@pytest.fixture(scope="module")
+def logged_fit(tmp_path_factory):
+    """One fit of EPOCHS with validation that the history, CSVLogger and TensorBoard tests read: each
+    callback only records the epochs, so one run serves the three (a fit each was a third of the file)."""
+    from tests.conftest import DEVICES
+    import tensorboard  # noqa: F401   (see test_tensorboard_logs_epoch_scalars)
     (x, y), (xv, yv) = _problem()
-    model = _sma_model(cpu_devices)
+    folder = tmp_path_factory.mktemp("logged_fit")
+    model = _sma_model(DEVICES)
     snaps = Snapshots()
-    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, validation_data=(xv, yv), callbacks=[snaps], verbose=0)
+    csv_path, log_dir = str(folder / "log.csv"), str(folder / "tb")
+    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, validation_data=(xv, yv), verbose=0,
+                        callbacks=[snaps, keras.callbacks.CSVLogger(csv_path), keras.callbacks.TensorBoard(log_dir)])
+    return dict(history=history, snaps=snaps, csv=csv_path, log_dir=log_dir, validation=(xv, yv))
+
+
+def test_history_and_validation_report_z(logged_fit):
+    history, snaps, (xv, yv) = logged_fit["history"], logged_fit["snaps"], logged_fit["validation"]
     assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert all(len(v) == EPOCHS for v in history.history.values())
     assert history.epoch == list(range(EPOCHS))
     assert snaps.batches == EPOCHS * 8                   # 256 examples / (k*b = 32) per epoch
-    assert all(snaps.held_z)
+    assert len(snaps.held_z) == EPOCHS and all(snaps.held_z)
     for epoch, weights in enumerate(snaps.weights):
         loss, accuracy = _evaluate_plain(weights, xv, yv)
         assert history.history["val_loss"][epoch] == pytest.approx(loss, abs=1e-5)
@@ -139,13 +152,9 @@ def test_early_stopping_stops_on_z_validation_metric(cpu_devices):
             np.testing.assert_array_equal(a, b)
 
 
-def test_csv_logger_rows_match_history(cpu_devices, tmp_path):
-    (x, y), (xv, yv) = _problem()
-    model = _sma_model(cpu_devices)
-    path = str(tmp_path / "log.csv")
-    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, validation_data=(xv, yv),
-                        callbacks=[keras.callbacks.CSVLogger(path)], verbose=0)
-    with open(path) as f:
+def test_csv_logger_rows_match_history(logged_fit):
+    history = logged_fit["history"]
+    with open(logged_fit["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in rows] == list(range(EPOCHS))
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
@@ -162,15 +171,11 @@ def _scalars(log_dir, tag):
     return [v for _, v in sorted(values)]
 
 
-def test_tensorboard_logs_epoch_scalars(cpu_devices, tmp_path):
+def test_tensorboard_logs_epoch_scalars(logged_fit):
     # Keras's TensorBoard callback writes through the tensorboard package, which TF 2.21 no longer
     # installs: the test extra installs it, and a missing package fails here rather than skipping.
     import tensorboard  # noqa: F401
-    (x, y), (xv, yv) = _problem()
-    model = _sma_model(cpu_devices)
-    log_dir = str(tmp_path / "tb")
-    history = model.fit(x, y, batch_size=32, epochs=EPOCHS, validation_data=(xv, yv),
-                        callbacks=[keras.callbacks.TensorBoard(log_dir)], verbose=0)
+    history, log_dir = logged_fit["history"], logged_fit["log_dir"]
     np.testing.assert_allclose(_scalars(os.path.join(log_dir, "train"), "epoch_loss"), history.history["loss"],
                                rtol=1e-6)
     np.testing.assert_allclose(_scalars(os.path.join(log_dir, "validation"), "epoch_accuracy"),

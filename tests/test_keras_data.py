@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from crossbow_tf import CrossbowStrategy
 from crossbow_tf.keras import get_training, use_sma
+from keras_learners import four_learners
 
 K, B = 4, 6          # 4 learners of 6 examples: a global batch of K * B = 24 per step
 G = K * B
@@ -27,7 +27,7 @@ def _model(optimizer=None, loss=None, seed=1):
 
 
 def _sma(cpu_devices, **kwargs):
-    return use_sma(_model(**kwargs), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2))
+    return use_sma(_model(**kwargs), four_learners(cpu_devices))
 
 
 class Batches(keras.utils.PyDataset):
@@ -60,12 +60,21 @@ def test_every_input_kind_trains_the_same_iterations(cpu_devices):
             np.testing.assert_allclose(a, b, atol=1e-6, err_msg=name)
 
 
-def test_generator_and_repeated_dataset_take_one_batch_per_step(cpu_devices):
+@pytest.fixture(scope="module")
+def reference_72():
+    """2 epochs on 72 = 3 * k*b arrays in order, which the generator and validation_split tests
+    (that train on the same 72 examples) are held against."""
+    from tests.conftest import DEVICES
+    reference = _sma(DEVICES)
+    reference.fit(*_data(72), batch_size=G, epochs=2, shuffle=False, verbose=0)
+    return reference
+
+
+def test_generator_and_repeated_dataset_take_one_batch_per_step(cpu_devices, reference_72):
     # A generator (or a repeated dataset) has no epochs: each iteration takes its next batch, and steps_per_epoch counts
     # iterations. With 72 = 3 * k*b examples per pass, iterations align with passes over the data.
     x, y = _data(72)
-    reference = _sma(cpu_devices)
-    reference.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    reference = reference_72
 
     def generator():
         while True:
@@ -81,11 +90,11 @@ def test_generator_and_repeated_dataset_take_one_batch_per_step(cpu_devices):
             np.testing.assert_allclose(a, b, atol=1e-6, err_msg=name)
 
 
-def test_validation_split_freq_and_dataset(cpu_devices):
-    x, y = _data(96)
+def test_validation_split_freq_and_dataset(cpu_devices, reference_72):
+    held_out = _data(24, seed=7)
+    x, y = (np.concatenate(parts) for parts in zip(_data(72), held_out, strict=True))   # the reference's 72 first
     xv, yv = _data(30, seed=5)
-    reference = _sma(cpu_devices)
-    reference.fit(x[:72], y[:72], batch_size=G, epochs=2, shuffle=False, verbose=0)
+    reference = reference_72
     model = _sma(cpu_devices)
     history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0, validation_split=0.25)
     for a, b in zip(model.get_weights(), reference.get_weights()):      # trained on the first 75% only
@@ -110,7 +119,7 @@ def test_train_on_batch_splits_one_global_batch(cpu_devices):
     x, y = _data(24)
     plain = _model()
     plain.train_on_batch(x, y)
-    model = use_sma(_model(), CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2), algorithm="ssgd")
+    model = use_sma(_model(), four_learners(cpu_devices), algorithm="ssgd")
     model.train_on_batch(x, y)
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
@@ -132,7 +141,7 @@ def test_set_weights_between_fits_restarts_learners_from_them(cpu_devices):
 
 # ----------------------------------------------------------------------------------------- errors
 def _strategy(cpu_devices):
-    return CrossbowStrategy(devices=cpu_devices[:2], learners_per_device=2)
+    return four_learners(cpu_devices)
 
 
 @pytest.mark.parametrize("optimizer,message", [

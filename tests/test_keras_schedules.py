@@ -32,6 +32,12 @@ def mnist():
     return (x[:N_TRAIN], y[:N_TRAIN]), (xt[:500], yt[:500])
 
 
+def _learners(cpu_devices):
+    """The learners on one device: resets follow the rate, per iteration, whatever the devices; a
+    device per learner would trace each step again (a third of these tests' CPU)."""
+    return CrossbowStrategy(devices=cpu_devices[:1], learners_per_device=LEARNERS)
+
+
 class ResetLog(keras.callbacks.Callback):
     """The iterations (0-based, as optimizer.iterations counts them) at which the learners restarted."""
 
@@ -61,7 +67,7 @@ def test_each_keras_schedule_trains_with_the_default_reset_rule(cpu_devices, mni
     schedule = SCHEDULES[name]()
     model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1))
+    use_sma(model, _learners(cpu_devices))
     log = ResetLog()
     model.fit(x, y, batch_size=BATCH * LEARNERS, epochs=EPOCHS, callbacks=[log], verbose=2)
     rule = [line for line in capsys.readouterr().out.splitlines() if line.startswith("crossbow_tf: learner reset")]
@@ -86,7 +92,7 @@ def test_piecewise_schedule_resets_exactly_at_its_boundaries(cpu_devices, mnist)
     schedule = S.PiecewiseConstantDecay([10, 30, 50], [0.05, 0.1, 0.01, 0.001])   # rises at 11, falls at 31, 51
     model.compile(optimizer=keras.optimizers.SGD(schedule, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1))
+    use_sma(model, _learners(cpu_devices))
     log = ResetLog()
     model.fit(x, y, batch_size=BATCH * LEARNERS, epochs=EPOCHS, callbacks=[log], verbose=0)
     assert log.at == [31, 51]
@@ -99,7 +105,7 @@ def test_explicit_true_resets_whenever_the_rate_falls(cpu_devices, mnist, capsys
     model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
     schedule = S.ExponentialDecay(0.05, decay_steps=10, decay_rate=0.9)
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1), reset_on_lr_drop=True)
+    use_sma(model, _learners(cpu_devices), reset_on_lr_drop=True)
     log = ResetLog()
     model.fit(x[:256], y[:256], batch_size=BATCH * LEARNERS, epochs=1, callbacks=[log], verbose=1)
     assert log.at == list(range(1, 8))
@@ -111,7 +117,7 @@ def test_constant_rate_changed_by_a_callback_still_resets(cpu_devices, mnist):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    use_sma(model, CrossbowStrategy(devices=cpu_devices[:LEARNERS], learners_per_device=1))
+    use_sma(model, _learners(cpu_devices))
     log = ResetLog()
     drop = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 if epoch == 0 else 0.005)
     model.fit(x[:512], y[:512], batch_size=BATCH * LEARNERS, epochs=2, callbacks=[drop, log], verbose=0)
