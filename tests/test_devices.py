@@ -32,10 +32,10 @@ def small_convnet():
                              keras.layers.Flatten(), keras.layers.Dense(10)])
 
 
-def sma_run(data, devices, learners_per_device, reduction):
-    """A small convnet, SMA, 192 digits, 1 epoch of batch 16 per learner, seed 0: z at the end."""
+def sma_run(data, devices, learners_per_device, reduction, build=small_convnet):
+    """BUILD's model (a small convnet), SMA, 192 digits, 1 epoch of batch 16 per learner, seed 0: z at the end."""
     keras.utils.set_random_seed(0)
-    model = small_convnet()
+    model = build()
     strategy = CrossbowStrategy(devices=devices, learners_per_device=learners_per_device,
                                 cross_device_reduction=reduction)
     engine = Engine(model, LOSS, SMA(), strategy)

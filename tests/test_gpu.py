@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from crossbow_tf import doctor
 from crossbow_tf.models import build_model
-from tests.test_devices import few_digits, lenet_sma_run  # noqa: F401  (few_digits: a fixture used here)
+from tests.test_devices import few_digits, sma_run  # noqa: F401  (few_digits: a fixture used here)
 from tests.test_doctor import run_doctor, verdict_lines
 
 pytestmark = pytest.mark.gpu
@@ -50,12 +50,17 @@ def float32_matmuls():
     tf.config.experimental.enable_tensor_float_32_execution(True)
 
 
+def lenet():
+    """The paper's LeNet: on GPUs its two convolutions of 2 learners run as grouped convolutions."""
+    return build_model("lenet", (28, 28, 1), 10)
+
+
 def test_sma_on_two_gpus_equals_one_gpu_with_the_same_learners(few_digits, float32_matmuls):  # noqa: F811
     gpus = visible_gpus(2)
-    one = lenet_sma_run(few_digits, gpus[:1], 2, "auto")       # 2 learners on one GPU: no cross-device reduction
-    two = lenet_sma_run(few_digits, gpus[:2], 1, "auto")       # 1 learner on each of 2 GPUs: NCCL
-    keras.utils.set_random_seed(0)                            # the runs' start, as lenet_sma_run builds it
-    start = [w.numpy() for w in build_model("lenet", (28, 28, 1), 10).trainable_weights]
+    one = sma_run(few_digits, gpus[:1], 2, "auto", build=lenet)   # 2 learners on one GPU: no cross-device reduction
+    two = sma_run(few_digits, gpus[:2], 1, "auto", build=lenet)   # 1 learner on each of 2 GPUs: NCCL
+    keras.utils.set_random_seed(0)                                # the runs' start, as sma_run builds it
+    start = [w.numpy() for w in lenet().trainable_weights]
     assert len(one) == len(two) == len(start)
     scale = max(abs(w).max() for w in one)
     # One grouped convolution of 2 learners against two plain ones, and NCCL's sum against none: the
