@@ -53,15 +53,17 @@ def cpu_devices():
 
 
 # With CROSSBOW_TEST_CPU_TIMES=FILE, every test appends "node id <TAB> CPU seconds <TAB> wall seconds"
-# to FILE: the CPU of this process and of the subprocesses it waited for, which a busy machine
-# barely changes (tools/suite_cpu.py sums it per file; how the suite's time was cut: README).
+# to FILE: the CPU of this process, of the subprocesses it waited for and of the processes the fork
+# server reaped meanwhile (tests/forking.py), which a busy machine barely changes (tools/suite_cpu.py
+# sums it per file; how the suite's time was cut: README).
 CPU_TIMES = os.environ.get("CROSSBOW_TEST_CPU_TIMES")
 
 
 def _cpu_seconds():
     import resource
+    from forking import ForkServer
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + ForkServer.children_cpu()
 
 
 if CPU_TIMES:

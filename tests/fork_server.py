@@ -16,6 +16,10 @@ element "-m" names a module) with one descriptor, the child's stdout and stderr;
 descriptors sent, in order (tests/forked_python, which stands in for `python`, sends its own):
 the child runs in that environment, folder and network namespace. A client that goes away before
 its child has exited (the shim SIGKILLed, say) takes the child's process group with it.
+
+The server serves a whole test session; the CPU seconds of the children it has reaped (user and
+system, their own reaped children included) are in the file SOCKET.cpu, updated before each "exit"
+reply, so that the test that waited for a child can count its CPU (tests/conftest.py).
 """
 import ctypes
 import json
@@ -28,6 +32,24 @@ import traceback
 
 CLONE_NEWNET = 0x40000000
 STREAMS = ("stdin", "stdout", "stderr")
+
+
+class ChildrenCpu:
+    """The CPU seconds of the reaped children, kept in the file PATH (written whole, then renamed)."""
+
+    def __init__(self, path):
+        self.path, self.total, self.lock = path, 0.0, threading.Lock()
+        self._write()
+
+    def add(self, usage):
+        with self.lock:
+            self.total += usage.ru_utime + usage.ru_stime
+            self._write()
+
+    def _write(self):
+        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{self.total:.3f}\n")
+        os.replace(self.path + ".tmp", self.path)
 
 
 def take_over(request, fds):
@@ -92,8 +114,9 @@ def run_child(argv, output_fd=None, request=None, fds=()):
             os._exit(code)
 
 
-def serve_one(connection):
-    """Forks the child CONNECTION asks for and reports its pid and, once reaped, its exit code."""
+def serve_one(connection, children_cpu):
+    """Forks the child CONNECTION asks for and reports its pid and, once reaped (its CPU added to
+    CHILDREN_CPU), its exit code."""
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
     request = json.loads(message.decode())
     argv = request["argv"] if isinstance(request, dict) else request
@@ -114,7 +137,8 @@ def serve_one(connection):
     exited = threading.Event()
 
     def reap():
-        _, status = os.waitpid(pid, 0)
+        _, status, usage = os.wait4(pid, 0)
+        children_cpu.add(usage)
         exited.set()
         try:
             connection.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
@@ -145,10 +169,11 @@ def main(path):
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(8)
+    children_cpu = ChildrenCpu(path + ".cpu")
     print("ready", flush=True)
     while True:
         connection, _ = server.accept()
-        serve_one(connection)
+        serve_one(connection, children_cpu)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Training processes of the tests, forked from tests/fork_server.py instead of started afresh.
 
 A fresh Python process spends ~6 CPU s importing TensorFlow before it does anything; the suite
-starts dozens (the kill tests' runs, the multi-worker tests' workers, the harness's trials). The
-server imports TensorFlow once and forks each of them; each is still a separate process running
-`python ...` as __main__ (tests/fork_server.py says what it shares and what it does not).
+starts dozens (the kill tests' runs, the multi-worker tests' workers, the harness's trials, the
+command-line runs). The server imports TensorFlow once and forks each of them; each is still a
+separate process running `python ...` as __main__ (tests/fork_server.py says what it shares and
+what it does not).
 
 - `ForkedProcess(argv)`: a child with the parts of a Popen the kill tests use.
 - `PYTHON` (tests/forked_python) stands in for the interpreter in any command line, with the
   caller's environment, folder, streams and network namespace; `forked_runs` (a module fixture)
-  makes it the harness's interpreter (CROSSBOW_RUN_PYTHON) and starts the server for the module.
-Each module's server stops at the module's end, so that its children's CPU counts in that module.
+  makes it the harness's interpreter (CROSSBOW_RUN_PYTHON) and the one of the commands that name
+  `forking.PYTHON`.
+One server serves each test process for its whole session; the CPU of the children it reaped
+counts in the test that waited for them (`ForkServer.children_cpu`, read by tests/conftest.py).
 """
 import atexit
 import json
@@ -28,9 +31,8 @@ PYTHON = os.path.join(TESTS, "forked_python")
 
 
 class ForkServer:
-    """tests/fork_server.py, started on first use: it forks the training processes of these tests
-    after importing TensorFlow once (~6 CPU s each saved). Stopped by `stop_fork_server` at the end of
-    each module that uses it, so that its children's CPU counts in that module's tests."""
+    """tests/fork_server.py, started on first use and stopped as the test process exits: it forks
+    the training processes of the tests after importing TensorFlow once (~6 CPU s each saved)."""
     instance = None
 
     def __init__(self):
@@ -48,6 +50,14 @@ class ForkServer:
         return cls.instance
 
     @classmethod
+    def children_cpu(cls):
+        """The CPU seconds of the children the server has reaped so far (0 before it starts)."""
+        if cls.instance is None:
+            return 0.0
+        with open(cls.instance.path + ".cpu", encoding="utf-8") as f:
+            return float(f.read())
+
+    @classmethod
     def stop(cls):
         if cls.instance is not None:
             cls.instance.proc.terminate()
@@ -59,12 +69,6 @@ class ForkServer:
 atexit.register(ForkServer.stop)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stop_fork_server():
-    yield
-    ForkServer.stop()
-
-
 class ForkedProcess:
     """A child of the fork server running `python ARGV...`, with the parts of a Popen the tests use:
     stdout (stdout and stderr combined), pid, poll, send_signal, wait and returncode (-N: signal N)."""
@@ -73,7 +77,9 @@ class ForkedProcess:
         read_end, write_end = os.pipe()
         self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._connection.connect(ForkServer.get().path)
-        socket.send_fds(self._connection, [json.dumps(list(argv)).encode()], [write_end])
+        # This process's environment and folder now, not the server's from its start.
+        request = {"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd(), "fds": ["stdout", "stderr"]}
+        socket.send_fds(self._connection, [json.dumps(request).encode()], [write_end, write_end])
         os.close(write_end)
         self.stdout = os.fdopen(read_end, "r")
         self._replies = self._connection.makefile("r")
@@ -101,8 +107,8 @@ class ForkedProcess:
 
 @pytest.fixture(scope="module")
 def forked_runs():
-    """The module's server, with tests/forked_python as the interpreter of the harness's training
-    processes and of the commands that name `forking.PYTHON`; the environment restored at the end."""
+    """tests/forked_python as the interpreter of the harness's training processes and of the commands
+    that name `forking.PYTHON`, for the module; the environment restored at the end."""
     names = ("CROSSBOW_RUN_PYTHON", "CROSSBOW_TEST_FORK_SOCKET", "CROSSBOW_TEST_PYTHON")
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(CROSSBOW_RUN_PYTHON=PYTHON, CROSSBOW_TEST_FORK_SOCKET=ForkServer.get().path,
@@ -113,4 +119,3 @@ def forked_runs():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    ForkServer.stop()

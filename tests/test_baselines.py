@@ -15,6 +15,10 @@ import yaml
 from baselines import BASELINES, METHODS
 from crossbow_tf.results import EVALUATION_KEYS, format_problems
 
+from forking import PYTHON, forked_runs  # noqa: F401  (forked_runs: a fixture)
+
+pytestmark = pytest.mark.usefixtures("forked_runs")   # TensorFlow imported once (tests/forking.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOWED_CROSSBOW = ("crossbow_tf.config", "crossbow_tf.data", "crossbow_tf.models", "crossbow_tf.results",
                     "crossbow_tf.errors", "crossbow_tf.cli", "crossbow_tf.files",   # cli, files: argument and output helpers
@@ -87,7 +91,7 @@ def test_tf_ssgd_mirrored_run_has_no_engine_code_in_its_process(tmp_path):
     and not one module of crossbow's engine, strategy or algorithms loaded in the process."""
     cfg = write(tmp_path / "c.yaml", dict(experiment(devices={"logical_cpu": 2}), tf_ssgd={"input": "per_epoch"}))
     results = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "baselines.tf_ssgd", "--config", cfg, "--results", str(results)],
+    proc = subprocess.run([PYTHON, "-m", "baselines.tf_ssgd", "--config", cfg, "--results", str(results)],
                           capture_output=True, text=True, timeout=600, cwd=REPO,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

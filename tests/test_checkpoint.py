@@ -32,7 +32,7 @@ from crossbow_tf.errors import TrainingDiverged, TrainingInterrupted
 from crossbow_tf.results import RunResults
 from crossbow_tf.run import main, parse_args
 from crossbow_tf.run import run as run_command
-from forking import ForkedProcess, stop_fork_server  # noqa: F401  (the module's fork server, stopped at its end)
+from forking import ForkedProcess
 from test_data_formats import write_mnist
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

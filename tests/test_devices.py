@@ -16,6 +16,10 @@ from crossbow_tf.engine.trainer import train
 from crossbow_tf.errors import ConfigError
 from crossbow_tf.results import RunResults
 
+from forking import forked_runs  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.usefixtures("forked_runs")   # TensorFlow imported once (tests/forking.py)
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

@@ -6,19 +6,22 @@ already fixed TensorFlow's devices (tests/conftest.py).
 import json
 import os
 import subprocess
-import sys
 
 import keras
 import pytest
 
 from crossbow_tf.data.embedded import load_embedded_mnist
 
+from forking import PYTHON, forked_runs  # noqa: F401  (forked_runs: a fixture)
+
+pytestmark = pytest.mark.usefixtures("forked_runs")   # TensorFlow imported once (tests/forking.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_keras_example_reaches_target_and_reloads_with_plain_keras(tmp_path):
     out = str(tmp_path / "cnn.keras")
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "keras_example.py"), "--out", out],
+    run = subprocess.run([PYTHON, os.path.join(ROOT, "examples", "keras_example.py"), "--out", out],
                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])

@@ -16,11 +16,14 @@ the CPU into 2 logical devices right after the imports, as a user's script would
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from keras_io_runs import split_runs
+
+from forking import PYTHON, forked_runs  # noqa: F401  (forked_runs: a fixture)
+
+pytestmark = pytest.mark.usefixtures("forked_runs")   # TensorFlow imported once (tests/forking.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("mnist_convnet", "antirectifier", "writing_your_own_callbacks", "training_with_built_in_methods")
@@ -42,7 +45,7 @@ def tool_runs():
     Both run in one process (tests/keras_io_runs.py: one TensorFlow start and one strategy line for
     the two instead of two); each run's exit code and output are its own, split at the line the
     helper prints after each run."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "keras_io_runs.py"),
+    proc = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "keras_io_runs.py"),
                            json.dumps([CLASSIFIER_RUN, NLP_RUN])],
                           capture_output=True, text=True, timeout=1200, cwd=ROOT,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))

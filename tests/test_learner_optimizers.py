@@ -22,7 +22,6 @@ from numpy_reference import NumpyAdam, NumpyRMSprop, run_reference_optimizer
 from conftest import DEVICES
 from test_averaging_rules import assert_matches
 from test_engine_reference import B, CLASSES, LOSS, N, small_mlp, toy_data
-from test_checkpoint import stop_fork_server  # noqa: F401  (the kill test's processes are forked)
 
 
 def run_engine(algorithm, optimizer, devices, m, iterations_wanted, base_lr, drops=()):

@@ -20,7 +20,6 @@ from crossbow_tf.distribute import CrossbowStrategy
 from crossbow_tf.engine.core import Engine
 # Keras's global policy is process-wide: the autouse fixture leaves it float32 after each test.
 from test_mixed_precision import float32_after_each_test, global_policy  # noqa: F401
-from test_checkpoint import stop_fork_server  # noqa: F401  (the kill test's processes are forked)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

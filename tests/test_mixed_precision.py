@@ -21,6 +21,10 @@ from crossbow_tf.engine.core import Engine
 from crossbow_tf.engine.fused import FusedLearners
 from crossbow_tf.engine.replicated import ReplicatedLearners
 
+from forking import PYTHON, forked_runs  # noqa: F401  (forked_runs: a fixture)
+
+pytestmark = pytest.mark.usefixtures("forked_runs")   # TensorFlow imported once (tests/forking.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 SHAPE, CLASSES = (12, 12, 3), 5
@@ -249,7 +253,7 @@ def test_mixed_float16_passes_for_engine_methods_and_is_refused_across_workers_i
     doc = dict(experiment(target_accuracy=0.9), compare=dict(budget=2, seeds=[0], methods={
         "tf_half": {"method": "tf_ssgd", "fixed": {"precision": "mixed_float16"}},
         "sma": {"grid": {"precision": ["float32", "mixed_bfloat16", "mixed_float16"]}}}))
-    planned = subprocess.run([sys.executable, "tools/compare.py", "--config", write(tmp_path / "compare.yaml", doc),
+    planned = subprocess.run([PYTHON, "tools/compare.py", "--config", write(tmp_path / "compare.yaml", doc),
                               "--out", str(tmp_path / "out"), "--dry-run"], capture_output=True, text=True,
                              timeout=120, cwd=REPO)
     assert planned.returncode == 0, planned.stderr[-2000:]

@@ -10,10 +10,14 @@ from crossbow_tf import config as config_lib
 from crossbow_tf.errors import ConfigError
 from crossbow_tf.run import DEFAULT_CONFIG, main
 
+from forking import PYTHON, forked_runs  # noqa: F401  (forked_runs: a fixture)
+
+pytestmark = pytest.mark.usefixtures("forked_runs")   # TensorFlow imported once (tests/forking.py)
+
 
 def run_cli(*args, timeout=600):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run([sys.executable, "-m", "crossbow_tf.run", *args], capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "crossbow_tf.run", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

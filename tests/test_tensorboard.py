@@ -19,6 +19,10 @@ from crossbow_tf.data import load_embedded_mnist
 from crossbow_tf.run import main as run_main
 from crossbow_tf.tensorboard import ACCURACY_BY_TIME_TAG, LEARNING_RATE_TAG, SCALARS
 
+from forking import PYTHON, forked_runs  # noqa: F401  (forked_runs: a fixture)
+
+pytestmark = pytest.mark.usefixtures("forked_runs")   # TensorFlow imported once (tests/forking.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY_MODEL = '''
@@ -121,7 +125,7 @@ def test_the_harness_gives_each_run_a_folder_and_its_hparams(folder, monkeypatch
     monkeypatch.chdir(folder)
     out = folder / "report"
     harness.prepare_out_dir(str(out))
-    runner = harness.Runner(str(out), 1, out=open(os.devnull, "w"), python=sys.executable)
+    runner = harness.Runner(str(out), 1, out=open(os.devnull, "w"), python=PYTHON)
     experiment = yaml.safe_load(open(write_config(folder / "run.yaml", epochs=1, learners_per_device=1)))
     record = runner.run("tf_ssgd", experiment, parse_tf_ssgd_options({}), "ssgd_entry", "t01_s4",
                         "t01 base=0.05", 4, 0.5, 300)
