@@ -87,24 +87,23 @@ def test_a_study_without_network_limits_plans_exactly_as_before():
 def test_the_phase_says_in_one_line_what_it_leaves_out(monkeypatch):
     class Args:
         phases, phases_given = ["sweep", "limits", "report"], True
-        hosts, hostfile = None, None
+    study = trials_lib.Options()
     said = []
     spec, cells = plan(two_worker_sweep(network_limits=["100mbit"]))
     monkeypatch.setattr(netns, "refusal", lambda: "network namespaces are not available here (not root)")
-    assert reproduce.limits_phase(Args, spec, cells, said.append) is False
+    assert reproduce.limits_phase(Args, study, spec, cells, said.append) is False
     assert said == ["reproduce: limits: sma_1w run on one worker (no network between workers): not run at the limits",
                     "reproduce: limits: network namespaces are not available here (not root); the phase is not run "
                     "(no loopback runs labelled as limited)"]
     monkeypatch.setattr(netns, "refusal", lambda: None)
-    assert reproduce.limits_phase(Args, spec, cells, said.append) is True
+    assert reproduce.limits_phase(Args, study, spec, cells, said.append) is True
     said.clear()
-    Args.hosts = ("node-a", "node-b")   # --hosts: the namespaces are this machine's
-    assert reproduce.limits_phase(Args, spec, cells, said.append) is False
+    named = trials_lib.Options(hosts=("node-a", "node-b"))   # --hosts: the namespaces are this machine's
+    assert reproduce.limits_phase(Args, named, spec, cells, said.append) is False
     assert said[-1] == ("reproduce: limits: the phase runs its workers on this machine in network namespaces, "
                         "not on the hosts of --hosts/--hostfile (CROSSBOW_HOSTS/CROSSBOW_HOSTFILE); not run")
-    Args.hosts = None
     said.clear()
-    assert reproduce.limits_phase(Args, *plan(two_worker_sweep()), said.append) is False
+    assert reproduce.limits_phase(Args, study, *plan(two_worker_sweep()), said.append) is False
     assert said == ["reproduce: limits: the config's sweep has no network_limits; nothing to run at limits"]
 
 

@@ -77,21 +77,21 @@ def read_hostfile(path):
         return [line.split("#")[0].split()[0] for line in f if line.split("#")[0].strip()]
 
 
-def named_hosts(hosts=None, hostfile=None, environ=None):
+def named_hosts(hosts=None, environ=None):
     """The machines of multi-worker trials and the error that stops them, (hosts or None, error or
-    None): HOSTS (--hosts) or HOSTFILE's (--hostfile), else CROSSBOW_HOSTFILE's or CROSSBOW_HOSTS=a,b
-    in ENVIRON (default os.environ); (None, None): workers on free local ports."""
+    None): HOSTS (trials.Options.hosts: --hosts or --hostfile's, checked there), else
+    CROSSBOW_HOSTFILE's or CROSSBOW_HOSTS=a,b in ENVIRON (default os.environ); (None, None): workers on
+    free local ports."""
+    if hosts:
+        return list(hosts), None
     environ = os.environ if environ is None else environ
-    source = "--hostfile"
-    if not hosts and not hostfile:
-        hostfile, source = environ.get("CROSSBOW_HOSTFILE"), "CROSSBOW_HOSTFILE"
-        hosts = [h.strip() for h in environ.get("CROSSBOW_HOSTS", "").split(",") if h.strip()]
+    hostfile = environ.get("CROSSBOW_HOSTFILE")
     if hostfile:
         try:
             return read_hostfile(hostfile) or None, None
         except OSError as e:   # every multi-worker trial fails with this line
-            return None, f"{source} {hostfile}: {e.strerror}"
-    return list(hosts) or None, None
+            return None, f"CROSSBOW_HOSTFILE {hostfile}: {e.strerror}"
+    return [h.strip() for h in environ.get("CROSSBOW_HOSTS", "").split(",") if h.strip()] or None, None
 
 
 def worker_command(command, tf_config, host=None, launcher=DEFAULT_LAUNCHER):

@@ -63,9 +63,10 @@ def parse_args(argv):
     return args
 
 
-def limits_phase(args, spec, cells, say):
-    """True when the limits phase runs: asked for, with sweep.network_limits, multi-worker series and
-    a machine that makes network namespaces; else False, with one line saying why (a study without
+def limits_phase(args, study, spec, cells, say):
+    """True when the limits phase runs: asked for, with sweep.network_limits, multi-worker series, no
+    named hosts (STUDY, trials.Options, or the environment) and a machine that makes network
+    namespaces; else False, with one line saying why (a study without
     network_limits says nothing unless --phases named limits). One-worker series are left out, in one line."""
     if "limits" not in args.phases:
         return False
@@ -79,7 +80,7 @@ def limits_phase(args, spec, cells, say):
             "not run at the limits")
     if len(alone) == len({c.series.name for c in cells}):
         return False
-    if any(launch.named_hosts(args.hosts, args.hostfile)):
+    if any(launch.named_hosts(study.hosts)):
         say("reproduce: limits: the phase runs its workers on this machine in network namespaces, not on the "
             f"hosts of {launch.HOSTS_GIVEN}; not run")
         return False
@@ -217,9 +218,9 @@ def bn_run_config(experiment, sections, spec, epochs):
     return g, exp, opts
 
 
-def _dry_run(args, experiment, spec, cells, jobs, total, limits):
+def _dry_run(args, study, experiment, spec, cells, jobs, total, limits):
     """--dry-run: the checks the run would make, and its runs listed, nothing written."""
-    check_study(args, args.out)
+    check_study(args, args.out, study)
     check_report_dir(args.out, force=args.force, resume=args.resume or trials_lib.joins(args))   # as the run would
     for cell in cells:
         for label, point, _ in cell.trials:
@@ -246,11 +247,12 @@ def main(argv=None):
         jobs = bench_jobs(spec, cells)
         if args.worker:
             args.phases = [p for p in args.phases if p in ("sweep", "limits", "report")]
-        limits = limits_phase(args, spec, cells, print)
+        study = trials_lib.options(args, args.out)   # the flags, --hostfile read once
+        limits = limits_phase(args, study, spec, cells, print)
         total = count_runs(spec, cells) + ("bn" in args.phases) + (len(limit_plan(spec, cells)) if limits else 0)
         if args.dry_run:
-            return _dry_run(args, experiment, spec, cells, jobs, total, limits)
-        study = open_study(args, args.out)
+            return _dry_run(args, study, experiment, spec, cells, jobs, total, limits)
+        study = open_study(args, args.out, study)
         trials_lib.remember_name(study, args.out)
     except CrossbowError as e:
         print(f"reproduce: error: {e}", file=sys.stderr)

@@ -175,7 +175,7 @@ class Runner:
         # Named machines for multi-worker runs (--hosts/--hostfile, else CROSSBOW_HOSTS/CROSSBOW_HOSTFILE),
         # started through CROSSBOW_LAUNCHER (default: srun on that node); else local workers on free ports.
         self._lock = threading.RLock()
-        self.hosts, self.hosts_error = launch.named_hosts(*((trials.hosts, trials.hostfile) if trials else ()))
+        self.hosts, self.hosts_error = launch.named_hosts(trials.hosts if trials else None)
         self.launcher = os.environ.get("CROSSBOW_LAUNCHER", launch.DEFAULT_LAUNCHER)
         self.network = self._network(os.environ.get("CROSSBOW_NETWORK"))
         self.done, self.started = 0, time.time()
@@ -467,21 +467,22 @@ def _clock(seconds):
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def check_study(args, out):
+def check_study(args, out, study=None):
     """What open_study checks that needs nothing opened nor written (the --dry-run's checks): the
-    flags, the tensorboard package, the --storage URL and its folder; returns trials.Options."""
-    study = trials_lib.options(args, out)
+    flags, the tensorboard package, the --storage URL and its folder; returns trials.Options (STUDY:
+    those of trials.options(ARGS, OUT), made already)."""
+    study = study or trials_lib.options(args, out)
     cli.require_tensorboard("every run's TensorBoard events")
     if study.storage:
         trials_lib.check_storage(study.storage)
     return study
 
 
-def open_study(args, out):
-    """The study's storage options (trials.options) for the command's ARGS, with report directory
-    OUT made ready for it (prepare_out_dir); --force without --resume also forgets the storage's
-    old trials."""
-    study = check_study(args, out)
+def open_study(args, out, study=None):
+    """The study's storage options (trials.options, or STUDY made already) for the command's ARGS,
+    with report directory OUT made ready for it (prepare_out_dir); --force without --resume also
+    forgets the storage's old trials."""
+    study = check_study(args, out, study)
     trials_lib.open_given_storage(study)   # before the report directory is made
     prepare_out_dir(out, force=args.force, resume=args.resume or trials_lib.joins(args))
     if args.force and not args.resume:

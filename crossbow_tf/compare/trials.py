@@ -438,8 +438,7 @@ class Options:
     heartbeat: int = DEFAULT_HEARTBEAT
     gpus_per_trial: int = None
     replan: bool = False      # --resume without --worker: plan anew, rerun what failed
-    hosts: tuple = None       # --hosts: the machines of multi-worker trials (host or host:port each)
-    hostfile: str = None      # --hostfile: a file naming them, one a line
+    hosts: tuple = None       # --hosts, or --hostfile's: the machines of multi-worker trials (host or host:port each)
 
 
 def host_names(text):
@@ -491,17 +490,18 @@ def options(args, out):
     if args.worker and getattr(args, "force", False):
         raise ConfigError("--worker cannot be combined with --force (a worker never empties the report directory)")
     check_counts(args.parallel, args.gpus_per_trial, args.heartbeat)
-    if args.hostfile:
+    hosts = args.hosts
+    if args.hostfile:   # read here once; the runs take the names from Options
         try:
-            named = read_hostfile(args.hostfile)
+            hosts = tuple(read_hostfile(args.hostfile))
         except OSError as e:
             raise ConfigError(f"--hostfile {args.hostfile}: {e.strerror}") from None
-        if not named:
+        if not hosts:
             raise ConfigError(f"--hostfile {args.hostfile} names no host")
     return Options(storage=args.storage, name=args.study_name or default_name(out, getattr(args, "config", None)),
                    worker=args.worker, parallel=args.parallel, heartbeat=args.heartbeat,
                    gpus_per_trial=args.gpus_per_trial, replan=bool(getattr(args, "resume", False)) and not args.worker,
-                   hosts=args.hosts, hostfile=args.hostfile)
+                   hosts=hosts)
 
 
 NAME_FILE = ".crossbow_study"   # in the report directory: the study's default name, for --resume
