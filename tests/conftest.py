@@ -36,8 +36,27 @@ NUM_TEST_DEVICES = 4
 DEVICES = split_cpu(NUM_TEST_DEVICES)
 
 
+# The files that take longest (wall seconds in one test process, from `tools/suite_cpu.py`'s
+# profile), longest first. `--dist loadfile` hands each free test process the next file in
+# collection order, so these run first and no process is left with a long one at the end while
+# the others idle. xdist's own order (by number of tests) would put the few-test ones last.
+LONGEST_FIRST = ("test_multiworker.py", "test_learner_optimizers.py", "test_keras_io_examples.py",
+                 "test_checkpoint.py", "test_averaging_rules.py", "test_paper_configs.py", "test_fused.py",
+                 "test_run_cli.py", "test_harness.py", "test_multiworker_trials.py", "test_mixed_precision.py",
+                 "test_engine_reference.py", "test_fused_layers.py", "test_devices.py", "test_reproduce.py",
+                 "test_loss_scaling.py", "test_packaging.py", "test_fused_checkpoint.py", "test_distributed_study.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist's reorder by number of tests: off
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need a GPU machine: deselected (reported as such) unless -m selects them."""
+    """Tests marked gpu need a GPU machine: deselected (reported as such) unless -m selects them. The
+    files of LONGEST_FIRST first, in its order; the rest as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if GPU_TESTS:
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
