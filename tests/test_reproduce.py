@@ -270,6 +270,20 @@ def test_verdict_rows_follow_the_numbers_when_nothing_or_only_sma_reaches_the_la
     assert [v for claim, v, _, _ in rows if claim.startswith("TTA")] == ["not yet measured"]
 
 
+def test_a_study_of_one_global_batch_leaves_the_claims_across_g_unmeasured():
+    # Comparing G with itself read "not reproduced" (S-SGD's 9 epochs at G=512 did not grow over its
+    # 9 epochs at G=512); a study of one G cannot speak to a claim across G.
+    from crossbow_tf.compare import study_report
+    spec, cells = plan(dict(sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
+                                  sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})),
+                            global_batches=[64]))
+    rows, _ = study_report.verdict(spec, cells, {("ssgd", 64): _stats(2, 0.6, tta=10.0),
+                                                 ("sma", 64): _stats(None, 0.41)}, {})
+    by = {claim.split()[0]: (v, numbers) for claim, v, numbers, _ in rows}
+    assert by["S-SGD's"] == by["SMA's"] == ("not measured", "one global batch: G=64")
+    assert by["TTA"][0] != "not measured"     # a claim at equal G still has its verdict
+
+
 def test_a_run_from_before_the_stability_guard_is_the_same_run_with_allow_unstable():
     """allow_unstable only permits: a finished run written before the key existed (and past the bound)
     is reused when the series now sets it."""

@@ -242,8 +242,16 @@ class _Standings:
                 if stats.get((n, g)) and stats[(n, g)]["tta"][0] is not None]
 
 
+def _one_point(claim, g):
+    """The row of a claim that compares a small G with a large one, in a study of one G."""
+    return (claim, "not measured", f"one global batch: G={g}",
+            "the claim compares a small G with a large one; this study runs one (its sweep's global_batches)")
+
+
 def _ssgd_growth_row(standing, small, large, cap):
     claim = "S-SGD's epochs to target grow with G (its rate tuned)"
+    if small == large:
+        return _one_point(claim, small)
     s_small, _ = standing.best(standing.ssgd, small)
     s_large, _ = standing.best(standing.ssgd, large)
     if s_small is None or s_large is None:
@@ -256,6 +264,8 @@ def _ssgd_growth_row(standing, small, large, cap):
 
 def _near_small_batch_row(standing, small, large, cap):
     claim = "SMA's epochs stay near small-batch training at large G"
+    if small == large:
+        return _one_point(claim, small)
     ref, ref_name = standing.best(standing.names, small)
     m_large, m_name = standing.best(standing.sma, large)
     if ref is None or m_large is None:
