@@ -1,5 +1,7 @@
-"""How the study report words the learners' distance to z."""
-from crossbow_tf.compare.study_report import RESTARTED, distance_text
+"""How the study report words the learners' distance to z and the study's duration."""
+import json
+
+from crossbow_tf.compare.study_report import RESTARTED, _duration_line, distance_text, training_time
 
 
 def test_local_sgd_zero_distance_says_the_learners_just_restarted_from_z():
@@ -35,3 +37,15 @@ def test_a_resumed_study_keeps_a_copy_of_the_config_its_report_was_built_from(tm
         assert proc.returncode == 0, proc.stderr[-2000:]
     copied = yaml.safe_load((out / "config.yaml").read_text())
     assert copied["sweep"]["notes"] == ["resumed with a new note"]
+
+
+def test_the_duration_sums_every_finished_runs_training_time_the_limits_phases_too(tmp_path):
+    runs = tmp_path / "runs" / "ssgd" / "G512"
+    (runs / "net-1gbit").mkdir(parents=True)
+    for path, total in ((runs / "t00_s0.json", 3000.0), (runs / "net-1gbit" / "t00_s0.json", 1830.5),
+                        (runs / "t01_s0.json", None)):       # a results file without the figure
+        path.write_text(json.dumps({"total_time": total} if total else {"evaluations": []}))
+    (runs / "t00_s0.yaml").write_text("total_time: 99\n")
+    assert training_time(str(tmp_path)) == (2, 4830.5)
+    assert _duration_line(str(tmp_path))[0].startswith("- measured duration: 2 runs trained for 1 h 21 min in all")
+    assert _duration_line(str(tmp_path / "empty")) == []

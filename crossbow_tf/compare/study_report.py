@@ -553,6 +553,28 @@ def _finished_runs(states):
             (st["best"] is None or s not in st["best"]["runs"]))
 
 
+def training_time(out):
+    """(runs, seconds): the finished runs under OUT/runs (the limits phase's too) and the sum of their
+    total_time, each run's wall time from its first step to its end, evaluations included."""
+    times = []
+    for path in glob.glob(os.path.join(out, "runs", "**", "*.json"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            total = json.load(f).get("total_time")
+        if isinstance(total, (int, float)):
+            times.append(total)
+    return len(times), sum(times)
+
+
+def _duration_line(out):
+    runs, seconds = training_time(out)
+    if not runs:
+        return []
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return [f"- measured duration: {runs} runs trained for {hours} h {minutes:02d} min in all (the sum of each "
+            "run's wall time from its first step to its end, evaluations included; process start-up and "
+            "the time between runs not counted)"]
+
+
 def _header_lines(out, experiment, args, machine, where, finished, planned):
     software = next((json.load(open(p)).get("environment", {}) for p in
                      glob.glob(os.path.join(out, "runs", "*", "*", "*.json"))[:1]), {})
@@ -567,6 +589,7 @@ def _header_lines(out, experiment, args, machine, where, finished, planned):
         f"- started: {machine['date']}; report written {machine_info()['date']}",
         f"- progress: {finished} of {planned} training runs finished" +
         ("" if finished >= planned else " (**partial**: resume with the command above plus `--resume`)"),
+        *_duration_line(out),
         "- every run is its own process, one at a time; each run's config, log and results are under `runs/`; "
         "the load average at each run's start is in its log.", ""]
 
