@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -25,6 +26,8 @@ import time
 # exit code 4 once TensorFlow's peer-health probe (2 s) finds its peer gone.
 PEER_GRACE = 20.0
 LOST_WORKER = 4      # crossbow_tf.distribute.cluster.ClusterError's exit code
+ERROR_PREFIX = "crossbow_tf: error:"   # crossbow_tf.errors' one line for the user
+GLUED_LOG = re.compile(r"(?<=\S)[EWIF]\d{4} \d\d:\d\d:\d+\.\d+ ")   # a C++ log line's start (absl)
 DEFAULT_LAUNCHER = "srun --nodes=1 --ntasks=1 --nodelist={host}"
 DEFAULT_PORT = 2222
 HOSTS_GIVEN = "--hosts/--hostfile (CROSSBOW_HOSTS/CROSSBOW_HOSTFILE)"   # where named machines come from
@@ -57,6 +60,11 @@ class Process:
     log: object
     tail: list = dataclasses.field(default_factory=list)
     code: int = None
+    error_line: str = None   # its last "crossbow_tf: error:" line, whatever TensorFlow logged after it
+
+    def reason(self):
+        """Why this process failed, in one line: its error line, else the last line it printed."""
+        return self.error_line or next((t for t in reversed(self.tail) if t.strip()), "")
 
 
 def tf_configs(workers, hosts=None, port=DEFAULT_PORT):
@@ -148,6 +156,9 @@ def supervise(processes, timeout, on_line=None):
             p.log.write(line)
             p.log.flush()
             p.tail = (p.tail + [line.rstrip()])[-5:]
+            if ERROR_PREFIX in line:
+                # TensorFlow's C++ log can land on the same line, after the message's end.
+                p.error_line = GLUED_LOG.split(line[line.index(ERROR_PREFIX):].rstrip())[0]
             if on_line is not None:
                 on_line(p.index, line)
         failed = [q for q in processes if q.popen.poll() not in (None, 0)]
@@ -175,7 +186,7 @@ def outcome(processes, error):
     if code != 0 and error is None:
         who = f"worker {worst.index}: " if len(processes) > 1 and worst.index != 0 and chief.code == 0 else ""
         first = chief if chief.code != 0 else worst
-        error = f"{who}exit code {first.code}: " + next((t for t in reversed(first.tail) if t.strip()), "")
+        error = f"{who}exit code {first.code}: " + first.reason()
     if error is not None and len(processes) > 1 and any(p.code == LOST_WORKER for p in processes):
         codes = ", ".join(f"worker {p.index} {p.code}" for p in processes)
         error = f"lost a worker ({codes}): {error}"

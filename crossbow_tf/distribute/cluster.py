@@ -9,8 +9,11 @@ peer has connected, with no bound we control (a worker whose peer never starts h
 Instead every wait is bounded: the start-up check polls each peer with TensorFlow's own
 peer-health probe for at most ``timeout`` seconds; the training step's all-reduce carries the
 same timeout; the agreements that follow uneven local work (auto-tuning, the chief's evaluation)
-wait as long as every peer answers that probe. When a wait fails, the peers are probed again so
-that the error names the worker that is missing.
+wait as long as every peer is alive: not gone (its server refuses the probe) and not silent for
+the worker timeout. One unanswered probe proves nothing while a collective is under way: the probe
+shares the peers' gRPC connection with the collective's data, and behind a slow link (100 Mbit/s
+and a checkpoint's worth of learners in flight) it waits its turn for seconds. When a wait fails,
+the peers are probed again so that the error names the worker that is missing.
 """
 import contextlib
 import re
@@ -143,6 +146,8 @@ class Cluster:
             if waiting:
                 time.sleep(_POLL_SECONDS)
 
+    HUNG = f"does not respond within {_PROBE_MS / 1000:g} s (hung)"
+
     def _probe(self, worker):
         """None when WORKER's server answers TensorFlow's peer-health probe, else the reason."""
         import tensorflow as tf
@@ -153,7 +158,7 @@ class Cluster:
         except tf.errors.UnavailableError:
             return "does not answer (not running)"
         except tf.errors.DeadlineExceededError:
-            return f"does not respond within {_PROBE_MS / 1000:g} s (hung)"
+            return self.HUNG
         except tf.errors.FailedPreconditionError:
             return "restarted (a new process took its place)"
 
@@ -197,11 +202,10 @@ class Cluster:
         These collectives follow uneven local work (each worker's auto-tuning, the chief's
         evaluation or checkpoint) that can outlast the worker timeout. So the collective waits
         without a bound in a thread while this one probes the peers every few seconds: a peer that
-        stops answering (dead, or hung for the probe's 2 s) aborts the wait and is named."""
+        is gone, or has answered no probe for the worker timeout, aborts the wait and is named."""
         import threading
 
         import tensorflow as tf
-        from tensorflow.python.eager import context
         device = "/device:CPU:0"
         key = self.next_instance_key()
         outcome = {}
@@ -216,10 +220,11 @@ class Cluster:
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         thread.join(_PROBE_MS / 1000)
+        silent_since = {}
         while thread.is_alive():
-            lost = self._lost_workers()
+            lost = self._lost_workers(silent_since)
             if lost:
-                context.context().abort_collective_ops(tf.errors.UNAVAILABLE, "; ".join(lost))
+                self._abort_collectives("; ".join(lost))
                 raise ClusterError(f"lost {'; '.join(lost)}; {self.describe(self.worker_index)} stops")
             thread.join(_PROBE_MS / 1000)
         if "error" in outcome:
@@ -227,14 +232,35 @@ class Cluster:
                 raise outcome["error"]
         return outcome["value"]
 
-    def _lost_workers(self):
-        """Descriptions of the other workers that do not answer the peer-health probe, with why."""
+    @staticmethod
+    def _abort_collectives(reason):
+        """Aborts this process's pending collectives (the waiting thread's among them) with REASON."""
+        import tensorflow as tf
+        from tensorflow.python.eager import context
+        context.context().abort_collective_ops(tf.errors.UNAVAILABLE, reason)
+
+    def _lost_workers(self, silent_since=None):
+        """Descriptions of the other workers that do not answer the peer-health probe, with why.
+
+        With SILENT_SINCE ({worker: when its probes began to go unanswered}, kept by the caller
+        across calls) a peer that only fails to answer within the probe's 2 s counts as lost once
+        it has been silent for the worker timeout; a peer that is gone counts at once."""
         lost = []
         for w in range(self.num_workers):
-            if w != self.worker_index:
-                reason = self._probe(w)
-                if reason is not None:
-                    lost.append(f"{self.describe(w)} {reason}")
+            if w == self.worker_index:
+                continue
+            asked = time.monotonic()
+            reason = self._probe(w)
+            if reason is None:
+                if silent_since is not None:
+                    silent_since.pop(w, None)
+                continue
+            if silent_since is not None and reason == self.HUNG:
+                since = silent_since.setdefault(w, asked)
+                if time.monotonic() - since < self.timeout:
+                    continue
+                reason = f"does not respond: answered no probe for {self.timeout:g} s (hung)"
+            lost.append(f"{self.describe(w)} {reason}")
         return lost
 
     def agree_min(self, value):
