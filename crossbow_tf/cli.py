@@ -46,9 +46,12 @@ def quiet_tensorflow(verbose=False):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+# How a line of TensorFlow's C++ log (absl) begins after its severity letter (I, W, E, F): date,
+# time, thread id.
+ABSL_LINE_AFTER_SEVERITY = r"\d{4} \d\d:\d\d:\d+\.\d+ +\d+ "
 # What TensorFlow's C++ libraries print while they load, before TF_CPP_MIN_LOG_LEVEL applies
 # (absl logs to stderr until it is initialised): INFO lines and absl's notice about that.
-_START_UP_LINE = re.compile(r"^(I\d{4} \d\d:\d\d:\d+\.\d+ +\d+ |WARNING: All log messages before absl::InitializeLog\(\)"
+_START_UP_LINE = re.compile(rf"^(I{ABSL_LINE_AFTER_SEVERITY}|WARNING: All log messages before absl::InitializeLog\(\)"
                             r"|To enable the following instructions: )")
 
 

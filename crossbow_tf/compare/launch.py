@@ -22,12 +22,14 @@ import sys
 import threading
 import time
 
+from crossbow_tf.cli import ABSL_LINE_AFTER_SEVERITY
+
 # A worker that outlives a failed peer by this long is killed: a healthy one stops by itself with
 # exit code 4 once TensorFlow's peer-health probe (2 s) finds its peer gone.
 PEER_GRACE = 20.0
 LOST_WORKER = 4      # crossbow_tf.distribute.cluster.ClusterError's exit code
-ERROR_PREFIX = "crossbow_tf: error:"   # crossbow_tf.errors' one line for the user
-GLUED_LOG = re.compile(r"(?<=\S)[EWIF]\d{4} \d\d:\d\d:\d+\.\d+ ")   # a C++ log line's start (absl)
+ERROR_PREFIX = "crossbow_tf: error:"   # the training command's one line for the user (run.py: cli.fail)
+GLUED_LOG = re.compile(rf"(?<=\S)[IWEF]{ABSL_LINE_AFTER_SEVERITY}")   # a C++ log line begun mid-line
 DEFAULT_LAUNCHER = "srun --nodes=1 --ntasks=1 --nodelist={host}"
 DEFAULT_PORT = 2222
 HOSTS_GIVEN = "--hosts/--hostfile (CROSSBOW_HOSTS/CROSSBOW_HOSTFILE)"   # where named machines come from
