@@ -49,3 +49,9 @@ def test_the_duration_sums_every_finished_runs_training_time_the_limits_phases_t
     assert training_time(str(tmp_path)) == (2, 4830.5)
     assert _duration_line(str(tmp_path))[0].startswith("- measured duration: 2 runs trained for 1 h 21 min in all")
     assert _duration_line(str(tmp_path / "empty")) == []
+    # The BatchNorm phase's run is outside the progress line's planned runs: the line names it.
+    (tmp_path / "runs" / "bn").mkdir()
+    (tmp_path / "runs" / "bn" / "lenet_bn_G512_s0.json").write_text(json.dumps({"total_time": 600.0}))
+    assert training_time(str(tmp_path), "bn") == (1, 600.0)
+    assert _duration_line(str(tmp_path))[0].startswith(
+        "- measured duration: 3 runs (the BatchNorm phase's 1 included) trained for 1 h 31 min in all")

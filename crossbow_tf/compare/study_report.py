@@ -553,11 +553,12 @@ def _finished_runs(states):
             (st["best"] is None or s not in st["best"]["runs"]))
 
 
-def training_time(out):
-    """(runs, seconds): the finished runs under OUT/runs (the limits phase's too) and the sum of their
-    total_time, each run's wall time from its first step to its end, evaluations included."""
+def training_time(out, phase=None):
+    """(runs, seconds): the finished runs under OUT/runs (the limits phase's too), or under
+    OUT/runs/PHASE only, and the sum of their total_time, each run's wall time from its first step to
+    its end, evaluations included."""
     times = []
-    for path in glob.glob(os.path.join(out, "runs", "**", "*.json"), recursive=True):
+    for path in glob.glob(os.path.join(out, "runs", *([phase] if phase else []), "**", "*.json"), recursive=True):
         with open(path, encoding="utf-8") as f:
             total = json.load(f).get("total_time")
         if isinstance(total, (int, float)):
@@ -570,7 +571,10 @@ def _duration_line(out):
     if not runs:
         return []
     hours, minutes = divmod(round(seconds / 60), 60)
-    return [f"- measured duration: {runs} runs trained for {hours} h {minutes:02d} min in all (the sum of each "
+    # The BatchNorm phase's run is not one of the progress line's planned runs: say it is counted here.
+    batchnorm, _ = training_time(out, "bn")
+    counted = f"{runs} runs" + (f" (the BatchNorm phase's {batchnorm} included)" if batchnorm else "")
+    return [f"- measured duration: {counted} trained for {hours} h {minutes:02d} min in all (the sum of each "
             "run's wall time from its first step to its end, evaluations included; process start-up and "
             "the time between runs not counted)"]
 
