@@ -29,6 +29,26 @@ MODEL_NAMES = ("lenet", "lenet_bn", "resnet32", "vgg16", "resnet50")
 DATA_SET_NAMES = ("mnist_embedded", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagenet", "npz")
 FILE_DATA_SETS = ("npz",)   # read from data.path, one file, rather than from data.data_dir
 EMBEDDED_DATA_SETS = ("mnist_embedded",)   # shipped inside the package: read no file at all
+# Where a data set's files are when no data.data_dir is given, and how to put them there: Debian's
+# dataset-fashion-mnist package installs Fashion-MNIST's four IDX files (MNIST's file names) here.
+DEFAULT_DATA_DIRS = {"fashion_mnist": ("/usr/share/datasets/fashion-mnist",
+                                       "install it with `apt-get install dataset-fashion-mnist` or pass "
+                                       "--data-dir DIR with the four IDX files")}
+
+
+def data_directory_problem(name, data_dir):
+    """Why data set NAME cannot be read from DATA_DIR (or its default directory), found without reading
+    a file or TensorFlow: the harness asks before it writes anything or starts a run, and the loaders
+    before they read; what the files hold, the loaders check. None when the directory is there, or the
+    set reads no directory."""
+    if name in FILE_DATA_SETS or name in EMBEDDED_DATA_SETS:
+        return None
+    if not data_dir and name in DEFAULT_DATA_DIRS:
+        directory, how = DEFAULT_DATA_DIRS[name]
+        return None if os.path.isdir(directory) else f"{name}: {directory} not found; {how}"
+    if not data_dir:
+        return f"the {name} data set needs --data-dir (or data.data_dir: the directory of its files)"
+    return None if os.path.isdir(data_dir) else f"{data_dir}: data directory not found"
 
 @dataclasses.dataclass
 class DataConfig:

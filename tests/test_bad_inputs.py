@@ -20,6 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from crossbow_tf.compare import cli as compare_tool  # noqa: E402
 from crossbow_tf.compare import sweep as sweep_tool  # noqa: E402
+from crossbow_tf.compare import reproduce as reproduce_tool  # noqa: E402
 from baselines import crossbow_ssgd, easgd, tf_ssgd  # noqa: E402
 from crossbow_tf import run as run_cli  # noqa: E402
 from crossbow_tf.algorithms import SMA  # noqa: E402
@@ -29,6 +30,8 @@ from crossbow_tf.keras import use_sma  # noqa: E402
 
 with open(os.path.join(REPO, "configs", "lenet_mnist_cpu.yaml"), encoding="utf-8") as _f:
     HARNESS_YAML = _f.read()
+with open(os.path.join(REPO, "configs", "lenet_fashion_mnist_cpu.yaml"), encoding="utf-8") as _f:
+    STUDY_YAML = _f.read()   # crossbow-reproduce's study form (sweep.series)
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -227,6 +230,13 @@ CASES = [
               entry="sweep", args=("--seeds", "-1", "--out", "{dir}/report")),
     yaml_case("sweep: non-UTF-8 file", HARNESS_YAML.encode("utf-8") + b"# \xff\n", "not a UTF-8 text file",
               entry="sweep", args=("--out", "{dir}/report")),
+    yaml_case("compare: --data-dir that is not there", harness("  name: mnist_embedded", "  name: mnist"),
+              "{dir}/no-such-dir: data directory not found", entry="compare",
+              args=("--data-dir", "{dir}/no-such-dir", "--out", "{dir}/report")),
+    yaml_case("sweep: mnist without a data directory", harness("  name: mnist_embedded", "  name: mnist"),
+              "data.data_dir: the mnist data set needs --data-dir", entry="sweep", args=("--out", "{dir}/report")),
+    yaml_case("reproduce: --data-dir that is not there", STUDY_YAML, "{dir}/no-such-dir: data directory not found",
+              entry="reproduce", args=("--data-dir", "{dir}/no-such-dir", "--out", "{dir}/report")),
     # ---- Python API: CrossbowStrategy
     Case("CrossbowStrategy(devices='/device:CPU:0')", "api", TypeError, "devices must be a list of device names, not a string",
          call=lambda tmp, d: CrossbowStrategy(devices="/device:CPU:0")),
@@ -281,10 +291,12 @@ CASES = [
 ]
 
 ENTRY_POINTS = {"run": run_cli.main, "tf_ssgd": tf_ssgd.main, "crossbow_ssgd": crossbow_ssgd.main,
-                "easgd": easgd.main, "compare": compare_tool.main, "sweep": sweep_tool.main}
+                "easgd": easgd.main, "compare": compare_tool.main, "sweep": sweep_tool.main,
+                "reproduce": reproduce_tool.main}
 COMMANDS = {"run": "python -m crossbow_tf.run", "tf_ssgd": "python -m baselines.tf_ssgd",
             "crossbow_ssgd": "python -m baselines.crossbow_ssgd", "easgd": "python -m baselines.easgd",
-            "compare": "crossbow-compare", "sweep": "crossbow-sweep", "api": "Python API"}
+            "compare": "crossbow-compare", "sweep": "crossbow-sweep", "reproduce": "crossbow-reproduce",
+            "api": "Python API"}
 OUTCOMES = {}
 
 
@@ -316,7 +328,7 @@ def test_at_least_forty_cases_across_every_entry_point():
 # The commands' mode that validates without running (nothing trained, nothing written). Every case of
 # these commands runs both ways and must give the same exit code and line. The baselines have no such
 # mode: their cases run as the real command only.
-CHECK_FLAGS = {"run": "--check", "compare": "--dry-run", "sweep": "--dry-run"}
+CHECK_FLAGS = {"run": "--check", "compare": "--dry-run", "sweep": "--dry-run", "reproduce": "--dry-run"}
 TWINS = {}   # case name -> the flag it was also run with or without ("" : no check mode)
 
 
@@ -387,6 +399,8 @@ def bad_inputs_table():
         if isinstance(config, str) and len(config) < 100:
             shown = config.strip().replace("{dir}", "<dir>").replace("\n", "; ")
             what = f"{case.name}: `{shown}`"
+        elif config == STUDY_YAML:
+            what = f"{case.name} (configs/lenet_fashion_mnist_cpu.yaml)"
         elif config is not None:
             what = f"{case.name} (configs/lenet_mnist_cpu.yaml, edited)" if "compare:" in str(config) else case.name
         else:

@@ -47,8 +47,9 @@ def test_fashion_mnist_loads_from_data_dir(tmp_path):
 
 
 def test_fashion_mnist_missing_says_how_to_install(tmp_path, monkeypatch):
-    import crossbow_tf.data as data
-    monkeypatch.setattr(data, "FASHION_MNIST_DIR", str(tmp_path / "not-installed"))
+    from crossbow_tf import config
+    how = config.DEFAULT_DATA_DIRS["fashion_mnist"][1]
+    monkeypatch.setitem(config.DEFAULT_DATA_DIRS, "fashion_mnist", (str(tmp_path / "not-installed"), how))
     with pytest.raises(DataError, match=r"apt-get install dataset-fashion-mnist.*--data-dir"):
         load_dataset("fashion_mnist")
     with pytest.raises(DataError, match="file not found"):   # a given directory without the files
@@ -189,23 +190,25 @@ def test_reproduce_end_to_end_on_tiny_data(tmp_path):
 
 def test_data_dir_reaches_every_run_of_every_tool(tmp_path):
     import crossbow_tf.compare as harness
+    data_dir = str(tmp_path / "fm")   # a directory that is there: the tools refuse one that is not
+    os.mkdir(data_dir)
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(dict(EXPERIMENT, compare=dict(
         budget=1, seeds=[0], methods={"sma": {"grid": {"learning_rate.base": [0.05]}},
                                       "tf_ssgd": {"grid": {"learning_rate.base": [0.05]}}}),
         sweep=sweep(ssgd=dict(method="tf_ssgd", grid={"learning_rate.base": [0.1, 0.2]}),
                     sma=dict(method="sma", batch_size=16, grid={"algorithm.alpha": ["1/k", 0.1]})))))
-    experiment, sections = harness.load_harness_config(str(config), "/data/fm")
+    experiment, sections = harness.load_harness_config(str(config), data_dir)
     spec = harness.parse_compare(sections["compare"], experiment)
     for _, trials in harness.plan_compare(spec, experiment, sections):
         for _, _, configs in trials:
-            assert all(exp["data"]["data_dir"] == "/data/fm" for exp, _ in configs.values())
+            assert all(exp["data"]["data_dir"] == data_dir for exp, _ in configs.values())
     study_spec = study.parse_study(sections["sweep"], experiment)
     for cell in study.plan_study(study_spec, experiment, sections):
-        assert all(exp["data"]["data_dir"] == "/data/fm" for _, _, c in cell.trials for exp, _ in c.values())
+        assert all(exp["data"]["data_dir"] == data_dir for _, _, c in cell.trials for exp, _ in c.values())
     # The sweep command (here a checkout's tools/sweep.py) hands a study-form sweep: section to reproduce.
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sweep.py"), "--config", str(config),
-                           "--out", str(tmp_path / "s"), "--data-dir", "/data/fm", "--dry-run"],
+                           "--out", str(tmp_path / "s"), "--data-dir", data_dir, "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "sma G=64 k=4 t01: alpha=0.1" in proc.stdout and "training runs (at most), budget 2" in proc.stdout

@@ -23,7 +23,7 @@ from crossbow_tf.compare import command, trials as trials_lib
 from crossbow_tf.compare.report import (command_line, compare_markdown, header_markdown, load_curves, software_line,
                                         sweep_markdown, sweep_series)
 from crossbow_tf.compare.runner import machine_info, run_compare, run_sweep, Runner
-from crossbow_tf.compare.spec import is_study, load_harness_config, parse_compare, parse_sweep
+from crossbow_tf.compare.spec import check_data_directory, is_study, load_harness_config, parse_compare, parse_sweep
 from crossbow_tf.compare.stats import compare_rows, tta_ratio
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.files import recorded_path
@@ -55,6 +55,7 @@ def build(args):
     section = dict(sections["compare"])
     if not section:
         raise ConfigError(f"{args.config}: no compare: section (methods, grids, seeds) to run")
+    check_data_directory(experiment, args.config)
     for key, value in (("budget", args.budget), ("search_seeds", args.search_seeds), ("seeds", args.seeds),
                        ("epochs", args.epochs)):
         if value is not None:

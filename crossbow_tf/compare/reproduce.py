@@ -35,12 +35,13 @@ from crossbow_tf.compare.plan import count_runs, describe, plan_study, trial_dev
 from crossbow_tf.compare.report import check_report_dir, command_line, copy_config, relative_path, write_json
 from crossbow_tf.compare.loops import limit_plan
 from crossbow_tf.compare.runner import check_study, PACKAGE_ROOT, machine_info, open_study, run_study, Runner
-from crossbow_tf.compare.spec import is_study, load_harness_config, parse_study, run_config
+from crossbow_tf.compare.spec import check_data_directory, is_study, load_harness_config, parse_study, run_config
 from crossbow_tf.device_choice import visible_gpu_ids
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.files import recorded_path
 
 PHASES = ("sweep", "limits", "bench", "bn", "report")
+TRAINING_PHASES = {"sweep", "limits", "bn"}   # the phases that read the data set (the bench trains on the embedded digits)
 # The throughput bench is a checkout's tools/bench_throughput.py.
 TOOLS = os.path.join(PACKAGE_ROOT, "tools")
 
@@ -96,6 +97,8 @@ def build(args):
     section = sections["sweep"]
     if not is_study(section):
         raise ConfigError(f"{args.config}: the sweep: section has no series: mapping (see crossbow_tf/compare/plan.py)")
+    if set(args.phases) & TRAINING_PHASES:
+        check_data_directory(experiment, args.config)
     gpus = trial_gpus(args.parallel, args.gpus_per_trial)
     try:
         spec = parse_study(section, experiment)

@@ -231,7 +231,21 @@ def check_user_files(experiment):
         _locate_model(experiment["model"], os.getcwd())
     path = experiment["data"].get("path")
     if path and not os.path.isfile(path):
-        raise ConfigError(f"data.path: {path} not found (paths are relative to the current folder {os.getcwd()})")
+        raise ConfigError(f"data.path: {path} not found{_relative_to_here(path)}")
+
+
+def check_data_directory(experiment, where):
+    """The data set's directory is there (else every run would fail on it alike), checked from this
+    folder without reading it; by the commands about to train, not by one that only writes a report
+    of runs made elsewhere."""
+    data = config_lib.from_dict(experiment).data   # validated by load_harness_config: defaults filled in
+    problem = config_lib.data_directory_problem(data.name, data.data_dir)
+    if problem:
+        raise ConfigError(f"{where}: data.data_dir: {problem}{_relative_to_here(data.data_dir)}")
+
+
+def _relative_to_here(path):
+    return f" (paths are relative to the current folder {os.getcwd()})" if path and not os.path.isabs(path) else ""
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ from crossbow_tf.compare.plots import plot_sweep
 from crossbow_tf.compare import command, trials as trials_lib
 from crossbow_tf.compare.report import command_line, header_markdown, software_line, sweep_markdown, sweep_series
 from crossbow_tf.compare.runner import machine_info, run_sweep
-from crossbow_tf.compare.spec import is_study, load_harness_config, parse_sweep
+from crossbow_tf.compare.spec import check_data_directory, is_study, load_harness_config, parse_sweep
 from crossbow_tf.errors import ConfigError, CrossbowError
 from crossbow_tf.files import recorded_path
 
@@ -62,6 +62,7 @@ def build(args):
     section = {k: (dict(v) if isinstance(v, dict) else v) for k, v in sections["sweep"].items()}
     if not section:
         raise ConfigError(f"{args.config}: no sweep: section (ssgd, sma, seeds) to run")
+    check_data_directory(experiment, args.config)
     overridden = False
     for key, value in (("seeds", args.seeds), ("epochs", args.epochs)):
         if value is not None:
