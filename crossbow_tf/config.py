@@ -50,6 +50,7 @@ def data_directory_problem(name, data_dir):
         return f"the {name} data set needs --data-dir (or data.data_dir: the directory of its files)"
     return None if os.path.isdir(data_dir) else f"{data_dir}: data directory not found"
 
+
 @dataclasses.dataclass
 class DataConfig:
     name: str = "mnist_embedded"
