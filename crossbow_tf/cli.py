@@ -87,14 +87,28 @@ def _filtered_stderr(drop):
                 sys.stderr.flush()
 
 
+# What a run's tf.summary (TensorBoard's summary API) and the harness's hparams writer import of
+# TensorBoard; none of them imports TensorFlow, so --check can import them all.
+TENSORBOARD_MODULES = ("tensorboard", "tensorboard.summary.v2", "tensorboard.compat.proto.event_pb2",
+                       "tensorboard.summary.writer.record_writer", "tensorboard.plugins.hparams.summary_v2")
+
+
 def require_tensorboard(what):
-    """Raises CrossbowError naming WHAT (the flag or key that needs it) unless the tensorboard
-    package can be imported: TensorFlow's tf.summary is TensorBoard's module, so without it a run
-    fails after its first epoch (TBNotInstalledError). A dependency of the package; this is for an
-    environment that lost it."""
+    """Raises CrossbowError naming WHAT (the flag or key that needs it) unless TensorBoard's modules that
+    a run imports import: TensorFlow's tf.summary is TensorBoard's module, so without it a run fails
+    after its first epoch (TBNotInstalledError). A dependency of the package; this is for an
+    environment that lost it, or holds a broken one."""
     if importlib.util.find_spec("tensorboard") is None:
         raise CrossbowError(f"{what}: the tensorboard package is not installed, and TensorFlow writes event "
                             "files with it (pip install tensorboard)")
+    for module in TENSORBOARD_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as e:   # noqa: BLE001  (whatever a broken install raises is the reason)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CrossbowError(f"{what}: the tensorboard package does not import ({module}: {type(e).__name__}: "
+                                f"{reason}), and TensorFlow writes event files with it (pip install "
+                                "--force-reinstall tensorboard)") from None
 
 
 def save_results(results, path, log=print):

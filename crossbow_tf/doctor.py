@@ -323,48 +323,63 @@ def check_all_reduce(ctx):
                    f"runs use {auto} by default")
 
 
-def check_grouped_conv(ctx):
-    """The fused learners' grouped convolution (m learners' filters in one conv2d), forward and both
-    gradients, against one convolution per learner."""
+# The compute dtypes of PRECISIONS, and how far a form may be from float64 per learner in each (relative to
+# the largest value): bfloat16 keeps 8 significand bits, float16 11; cuDNN may convolve float32 in TF32.
+CONV_DTYPES = {"float32": 1e-2, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def _conv_form_apart(device, form, dtype):
+    """The largest relative difference of FORM's output and both gradients in DTYPE on DEVICE from one
+    float64 convolution per learner (TensorFlow's own kernel, an independent computation)."""
     import numpy as np
     import tensorflow as tf
+
+    from crossbow_tf.engine import conv_forms
     m, c, o = LEARNERS_PER_DEVICE, 3, 4
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(2, 6, 6, m * c)).astype(np.float32)
-    kernel = rng.normal(size=(3, 3, c, m * o)).astype(np.float32)
+    x = rng.normal(size=(2, 6, 6, m * c))
+    kernel = rng.normal(size=(3, 3, c, m * o))
 
-    def grads(device, grouped):
+    def results(form, dtype):
         with tf.device(device):
-            xt, kt = tf.constant(x), tf.constant(kernel)
+            xt, kt = tf.constant(x, dtype), tf.constant(kernel, dtype)
             with tf.GradientTape() as tape:
                 tape.watch([xt, kt])
-                if grouped:
-                    y = tf.nn.conv2d(xt, kt, 1, "SAME")
-                else:
-                    y = tf.concat([tf.nn.conv2d(a, b, 1, "SAME") for a, b in
-                                   zip(tf.split(xt, m, axis=-1), tf.split(kt, m, axis=-1), strict=True)], -1)
-                loss = tf.reduce_sum(y * y)
-            return [t.numpy() for t in [y] + tape.gradient(loss, [xt, kt])]
+                y = conv_forms.convolve(form, xt, kt, m, 1, "SAME", 1)
+                loss = tf.reduce_sum(tf.cast(y, tf.float32) ** 2)
+            return [np.asarray(tf.cast(t, tf.float64)) for t in [y] + tape.gradient(loss, [xt, kt])]
+    want = results(conv_forms.PER_LEARNER, tf.float64)
+    return max(np.abs(g - w).max() / np.abs(w).max() for g, w in zip(results(form, dtype), want, strict=True))
 
-    def compare(device):
-        got, want = grads(device, True), grads(device, False)
-        # Relative to each tensor's largest value: cuDNN on Ampere and later convolves in TensorFloat-32
-        # (10-bit mantissa) by default, and the two forms may take different algorithms; learners' groups
-        # mixed up would be off by the order of the values themselves.
-        bad = [name for name, g, w in zip(("output", "input gradient", "filter gradient"), got, want, strict=True)
-               if g.shape != w.shape or np.abs(g - w).max() > 1e-2 * np.abs(w).max()]
-        return f"{', '.join(bad)} differ from one convolution per learner" if bad else None
-    failure = _each_device(ctx, compare)
-    library = "cuDNN" if ctx.device_type == "GPU" else "oneDNN"
-    if failure is None:
-        return Verdict(OK, f"{m} learners' grouped conv2d and its gradients on {len(ctx.devices)} device(s), "
-                       f"{library}")
-    device, problem = failure
-    advice = ("TensorFlow's own CPU kernels have no gradients of a grouped convolution, oneDNN's do: leave "
-              "TF_ENABLE_ONEDNN_OPTS unset or 1"
-              if ctx.device_type == "CPU" else "check that cuDNN loads (pip install 'tensorflow[and-cuda]')")
-    return Verdict(FAILED, f"grouped convolution on {device}: {problem}; {advice}; until then convolutional models "
-                   "train as replicated learners (one call per learner), slower")
+
+def _conv_form_problem(device, form, dtype):
+    apart = _conv_form_apart(device, form, dtype)
+    return f"{apart:.1e} from float64 per learner" if apart > CONV_DTYPES[dtype] else None
+
+
+def check_conv_forms(ctx):
+    """The form the fused learners' convolutions take here in each policy's compute dtype (probed as the
+    engine probes), its output and gradients against one float64 convolution per learner."""
+    from crossbow_tf.engine import conv_forms
+    chosen = []
+    for dtype in CONV_DTYPES:
+        try:
+            form, _ = conv_forms.choose(dtype, ctx.device_type)
+        except conv_forms.NoConvolutionForm as e:
+            if dtype == "float32":
+                return Verdict(FAILED, f"{e}; report it with this output")
+            chosen.append(f"{dtype} none, so convolutional models refuse its policy ({e})")
+            continue
+        failure = _each_device(ctx, lambda device: _conv_form_problem(device, form, dtype))
+        if failure:
+            return Verdict(FAILED, f"the {form} form in {dtype} on {failure[0]}: {failure[1]}; report it with this "
+                           f"output, and set {conv_forms.FORM_VARIABLE} to another form")
+        grouped_not = conv_forms.why_not(ctx.device_type, dtype, conv_forms.GROUPED)
+        chosen.append(f"{dtype} {form}" + (f" (grouped does not: {grouped_not})" if grouped_not else ""))
+    kernels = "cuDNN" if ctx.device_type == "GPU" else \
+        f"oneDNN {'on' if conv_forms.onednn_enabled() else 'off'}, {conv_forms.cpu_summary()}"
+    return Verdict(OK, f"{'; '.join(chosen)}; each against float64 per learner on {len(ctx.devices)} device(s), "
+                   f"{kernels}")
 
 
 def _tiny_model():
@@ -418,6 +433,7 @@ def precision_step(policy, devices, jit_update):
 
 def check_precision(policy):
     def check(ctx):
+        from crossbow_tf.engine import conv_forms
         low = [c for c in ctx.capabilities if c and tuple(c) < MIN_COMPUTE_CAPABILITY.get(policy, (0, 0))]
         if low:
             need = MIN_COMPUTE_CAPABILITY[policy]
@@ -428,6 +444,8 @@ def check_precision(policy):
             # expected here, and the verdict is the check's.
             with cli._filtered_stderr(lambda line: "oneDNN supports DT_HALF only" in line):
                 problem = precision_step(policy, ctx.devices, jit_update=ctx.device_type == "GPU")
+        except conv_forms.NoConvolutionForm as e:
+            return Verdict(SKIPPED, f"convolutional models refuse {policy} here: {e}")
         except Exception as e:   # noqa: BLE001
             problem = _first_line(e)
         if problem:
@@ -446,7 +464,7 @@ CHECKS = {
     "xla": check_xla,
     "nccl": check_nccl,
     "all-reduce": check_all_reduce,
-    "grouped-conv": check_grouped_conv,
+    "conv-forms": check_conv_forms,
     **{policy: check_precision(policy) for policy in PRECISIONS},
 }
 

@@ -10,9 +10,12 @@ Nothing here imports Keras, TensorFlow or Optuna at import time.
 import dataclasses
 import importlib
 import importlib.metadata
+import itertools
 
-# The versions every internal below is tested on (the test suite's installed versions).
-TESTED_VERSIONS = {"keras": "3.15.1", "tensorflow": "2.21.0", "optuna": "5.1.0"}
+# The versions every internal below is tested on, (oldest, newest): the oldest is pyproject.toml's lower
+# bound (tests/test_internals.py holds the two equal), the newest the test suite's installed version.
+# Only these ends are tested, so a lower bound moves down only with a CI run on that version.
+TESTED_VERSIONS = {"keras": ("3.15.1", "3.15.1"), "tensorflow": ("2.21.0", "2.21.0"), "optuna": ("5.1.0", "5.1.0")}
 # The distributions that may provide TensorFlow.
 TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly")
 
@@ -96,10 +99,24 @@ def installed_versions():
     return versions
 
 
+def _release(version):
+    """The numeric release of VERSION ("2.21.0rc1" -> (2, 21, 0)), for ordering."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != part:
+            break
+    return tuple(parts)
+
+
 def untested_versions():
-    """{library: (installed, tested)} where the installed version is not the tested one."""
+    """{library: (installed, (oldest, newest) tested)} where the installed version is outside the tested range."""
     installed = installed_versions()
-    return {lib: (installed[lib], tested) for lib, tested in TESTED_VERSIONS.items() if installed[lib] != tested}
+    return {lib: (installed[lib], ends) for lib, ends in TESTED_VERSIONS.items()
+            if installed[lib] is None or not _release(ends[0]) <= _release(installed[lib]) <= _release(ends[1])}
 
 
 def _instance(kind):

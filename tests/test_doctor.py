@@ -11,6 +11,7 @@ import pytest
 
 from crossbow_tf import doctor
 from crossbow_tf.doctor import FAILED, OK, SKIPPED, GpuFacts, gpu_verdict
+from crossbow_tf.engine import conv_forms
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,14 +45,33 @@ def test_every_check_has_its_verdict_line_and_nothing_fails_on_this_cpu():
     assert result.stdout.splitlines()[-1].startswith("crossbow-doctor: 10 check(s), nothing failed, 2 skipped")
 
 
-def test_grouped_convolution_without_onednn_is_failed_with_what_to_do():
-    # TensorFlow's own CPU kernels compute no gradient of a grouped convolution (issue 30, item 4).
-    result = run_doctor("--only", "grouped-conv", env={"TF_ENABLE_ONEDNN_OPTS": "0"})
-    assert result.returncode == 1, result.stdout + result.stderr
-    line = verdict_lines(result.stdout)["grouped-conv"]
-    assert line.startswith("grouped-conv    FAILED: grouped convolution on /device:CPU:0: InvalidArgumentError: "
-                           "Gradients for grouped convolutions are not supported on CPU")
-    assert "TF_ENABLE_ONEDNN_OPTS unset or 1" in line and "replicated learners" in line
+def test_without_onednn_the_convolutions_take_the_portable_form_and_nothing_fails():
+    # TensorFlow's own CPU kernels compute no gradient of a grouped convolution (issue 30, item 4): the
+    # doctor names the form the learners' convolutions take instead and why, and fails nothing (issue 43).
+    result = run_doctor("--only", "conv-forms", "mixed_bfloat16", env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = verdict_lines(result.stdout)
+    line = lines["conv-forms"]
+    assert line.startswith("conv-forms      ok (float32 patches (grouped does not: Fused conv implementation does not "
+                           "support grouped convolutions for now.); bfloat16 patches (grouped does not: "), line
+    assert line.endswith("each against float64 per learner on 2 device(s), oneDNN off, "
+                         f"{conv_forms.cpu_summary()})")
+    assert lines["mixed_bfloat16"].startswith("mixed_bfloat16  ok (two fused SMA steps")
+
+
+def test_where_no_form_computes_a_dtype_its_policy_is_skipped_not_failed(monkeypatch, cpu_devices):
+    for form in conv_forms.FORMS:
+        monkeypatch.setitem(conv_forms._probed, ("CPU", "bfloat16", form, False), f"no {form} kernel")
+    ctx = doctor.Context(cpu_devices[:2], "CPU", [])
+    verdict = doctor.check_conv_forms(ctx)
+    assert verdict.status == doctor.OK and "bfloat16 none, so convolutional models refuse its policy (" in verdict.detail
+    verdict = doctor.CHECKS["mixed_bfloat16"](ctx)
+    assert verdict.status == doctor.SKIPPED
+    assert verdict.detail.startswith("convolutional models refuse mixed_bfloat16 here: no form of the learners' "
+                                     "convolution computes bfloat16 gradients on this CPU")
+    for form in conv_forms.FORMS:
+        monkeypatch.setitem(conv_forms._probed, ("CPU", "float32", form, False), f"no {form} kernel")
+    assert doctor.check_conv_forms(ctx).status == doctor.FAILED
 
 
 def test_tensorflow_that_does_not_import_is_failed_not_a_traceback(tmp_path):

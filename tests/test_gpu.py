@@ -29,10 +29,10 @@ def test_the_doctor_passes_on_the_gpus():
     assert list(lines) == list(doctor.CHECKS)
     status = {check: line[len(check):].split()[0].rstrip(":") for check, line in lines.items()}
     assert f"{count} x GPU" in lines["gpu"] and f"{count} x GPU" in lines["devices"]
-    assert all(status[c] == doctor.OK for c in ("tensorflow", "gpu", "devices", "xla", "grouped-conv", "float32"))
+    assert all(status[c] == doctor.OK for c in ("tensorflow", "gpu", "devices", "xla", "conv-forms", "float32"))
     # Where XLA's search found them (XLA may also compile without ptxas, through the driver).
     assert "ptxas: " in lines["xla"] and "libdevice: " in lines["xla"]
-    assert lines["grouped-conv"].endswith("device(s), cuDNN)")
+    assert lines["conv-forms"].endswith("device(s), cuDNN)")
     assert status["nccl"] == (doctor.OK if count >= 2 else doctor.SKIPPED)
     assert status["all-reduce"] == (doctor.OK if count >= 2 else doctor.SKIPPED)
     # The mixed policies run where the GPUs have the hardware for them, and are skipped with the reason.

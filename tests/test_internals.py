@@ -47,3 +47,23 @@ def test_every_private_import_of_the_three_files_is_listed():
                 assert (module, name) in listed or any(m == f"{module}.{name}" for m, _ in listed), (where, module, name)
         for attribute in re.findall(r"\btrial\._(\w+)|\bt\._(\w+)", source):
             assert ("optuna.trial", "_" + "".join(attribute)) in listed, (where, attribute)
+
+
+def test_pyproject_allows_no_version_older_than_the_tested_one():
+    """Issue 43: the versions pyproject.toml allows are the versions tested; its lower bound of each
+    library is TESTED_VERSIONS' oldest end."""
+    with open(os.path.join(os.path.dirname(PACKAGE), "pyproject.toml"), encoding="utf-8") as f:
+        text = f.read()
+    bounds = dict(re.findall(r'"(keras|optuna|tensorflow-cpu|tensorflow\[and-cuda\])>=([\w.]+)"', text))
+    assert bounds == {"keras": internals.TESTED_VERSIONS["keras"][0],
+                      "optuna": internals.TESTED_VERSIONS["optuna"][0],
+                      "tensorflow-cpu": internals.TESTED_VERSIONS["tensorflow"][0],
+                      "tensorflow[and-cuda]": internals.TESTED_VERSIONS["tensorflow"][0]}
+
+
+def test_a_version_outside_the_tested_ends_is_untested(monkeypatch):
+    monkeypatch.setattr(internals, "TESTED_VERSIONS", {"keras": ("3.15.1", "3.16.0")})
+    for installed, untested in (("3.15.1", False), ("3.15.2", False), ("3.16.0", False), ("3.14.9", True),
+                                ("3.16.1", True), ("3.6.0", True), (None, True)):
+        monkeypatch.setattr(internals, "installed_versions", lambda: {"keras": installed})
+        assert bool(internals.untested_versions()) == untested, installed

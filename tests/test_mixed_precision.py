@@ -134,6 +134,30 @@ def test_fused_equals_replicated_and_computes_in_the_policy(cpu_devices, float32
         assert distance(every_learner(low), every_learner(full)) > 10 * learners_apart
 
 
+@pytest.fixture(scope="module")
+def replicated_bfloat16():
+    from tests.conftest import DEVICES
+    return train("mixed_bfloat16", "replicated", DEVICES[:1], RATE, STEPS)
+
+
+# The forms a CPU without AVX-512 takes (crossbow_tf/engine/conv_forms.py), forced here whatever this CPU
+# is: the fused learners with each form compute what Keras's own layers compute per learner (issue 43).
+@pytest.mark.parametrize("policy, form", [("float32", "patches"), ("float32", "per-learner"),
+                                          ("mixed_bfloat16", "grouped-float32"), ("mixed_bfloat16", "patches"),
+                                          ("mixed_bfloat16", "per-learner")])
+def test_each_convolution_form_trains_as_the_replicated_learners(cpu_devices, float32_runs, replicated_bfloat16,
+                                                                  policy, form):
+    from crossbow_tf.engine import conv_forms
+    with conv_forms.forcing(form):
+        fused = train(policy, "fused", cpu_devices[:1], RATE, STEPS)
+    assert set(fused.learner_computation.conv_forms) == {policy.split("_")[-1]}
+    assert {chosen for chosen, _ in fused.learner_computation.conv_forms.values()} == {form}
+    replicated = float32_runs["float32", "replicated"] if policy == "float32" else replicated_bfloat16
+    bound = 1e-5 if policy == "float32" else ROUNDING[policy]
+    assert distance(fused.center_weights(), replicated.center_weights()) <= bound
+    assert distance(every_learner(fused), every_learner(replicated)) <= 2 * bound
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_one_learner_call_returns_float32_gradients_and_loss(policy):
     """The gradients that reach the update are float32 (the variable dtype), the loss is computed in
@@ -145,14 +169,22 @@ def test_one_learner_call_returns_float32_gradients_and_loss(policy):
         model = keras.Model(inputs, keras.layers.Dense(CLASSES)(x))   # no float32 layer: outputs in the policy
     m, b = 2, 4
     weights = [np.stack([v.numpy()] * m) for v in model.trainable_variables]
+    from crossbow_tf.engine import conv_forms
+    # The fused convolution in the policy's own dtype, as the replicated learners compute it: where the
+    # grouped one does not compute (float16 on a CPU), the probe's choice computes it in float32, which
+    # test_each_convolution_form_trains_as_the_replicated_learners compares in its own right.
+    chosen = conv_forms.choose(policy.split("_")[1], "CPU")[0]
+    form = conv_forms.PER_LEARNER if chosen == conv_forms.GROUPED_FLOAT32 else chosen
     rng = np.random.default_rng(0)
     x = rng.random((m, b) + SHAPE, dtype=np.float32)
     y = rng.integers(0, CLASSES, (m, b)).astype(np.int32)
     mask = np.ones((m, b), np.float32)
     outputs = {}
     for cls in (FusedLearners, ReplicatedLearners):
-        losses, grads, _, preds = cls(model, LOSS)([tf.constant(w) for w in weights], [], tf.constant(x),
-                                                   tf.constant(y), tf.constant(mask))
+        with conv_forms.forcing(form):
+            learners = cls(model, LOSS)
+        losses, grads, _, preds = learners([tf.constant(w) for w in weights], [], tf.constant(x), tf.constant(y),
+                                           tf.constant(mask))
         assert losses.dtype == tf.float32 and {g.dtype for g in grads} == {tf.float32}
         assert preds.dtype.name == policy.split("_")[1]
         outputs[cls] = (losses.numpy(), [g.numpy() for g in grads], preds.numpy().astype(np.float32))
@@ -335,12 +367,20 @@ def test_bench_throughput_measures_each_policy_side_by_side(cpu_devices, capsys,
     spec = importlib.util.spec_from_file_location("bench_throughput", os.path.join(REPO, "tools", "bench_throughput.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    code = bench.main(["--ks", "2", "--rounds", "1", "--examples", "96", "--precision", "float32", "mixed_bfloat16"])
+    code = bench.main(["--ks", "2", "--rounds", "1", "--examples", "96", "--precision", "float32", "mixed_bfloat16",
+                       "--conv-forms", "auto", "per-learner"])
     out = capsys.readouterr()
     assert code == 0, out.err[-3000:]
     assert keras.mixed_precision.global_policy().name == "float32"   # the tool leaves the policy as it found it
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.out.splitlines()
             if line.startswith("| 2 |")]
-    assert [(r[0], r[-1]) for r in rows] == [("2", "float32"), ("2", "mixed_bfloat16"),
-                                              ("2", "mixed_bfloat16 over float32")]
+    from crossbow_tf.engine import conv_forms
+    auto = {p: conv_forms.choose(dtype, "CPU")[0] for p, dtype in (("float32", "float32"),
+                                                                   ("mixed_bfloat16", "bfloat16"))}
+    assert [(r[0], r[-2], r[-1]) for r in rows[:4]] == [
+        ("2", "float32", auto["float32"]), ("2", "float32", "per-learner"),
+        ("2", "mixed_bfloat16", auto["mixed_bfloat16"]), ("2", "mixed_bfloat16", "per-learner")]
+    assert [(r[0], r[-1]) for r in rows[4:]] == [("2", "mixed_bfloat16 over float32 (auto)"),
+                                                 ("2", "mixed_bfloat16 over float32 (per-learner)")]
+    assert f"# CPU: {conv_forms.cpu_summary()}; oneDNN on in this process" in out.out
     assert all(float(c) > 0 for r in rows for c in r[2:5])

@@ -152,3 +152,26 @@ def test_the_harness_writes_hparams_without_starting_tensorflow(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     [(group, hparams)] = hparams_sessions(tmp_path)
     assert group == "sma/t00" and hparams == {"method": "sma", "seed": 0}
+
+
+def test_check_refuses_a_tensorboard_that_does_not_import_as_the_run_would_fail(tmp_path):
+    # A broken environment (issue 43, item 5): the package is there, but importing it fails. --check
+    # imports what the run will import, and refuses with the reason, exit 2, before anything is written.
+    broken = tmp_path / "site" / "tensorboard"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("cannot import name \'builder\' from '
+                                        '\'google.protobuf.internal\'")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), REPO]), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-m", "crossbow_tf.run", "--check", "--tensorboard", str(tmp_path / "tb")],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "crossbow_tf: error: --tensorboard: the tensorboard package does not import (tensorboard: ImportError: cannot "
+        "import name 'builder' from 'google.protobuf.internal'), and TensorFlow writes event files with it (pip "
+        "install --force-reinstall tensorboard)"), proc.stderr
+    assert not (tmp_path / "tb").exists()
+    # With the real package the same check passes.
+    env["PYTHONPATH"] = REPO
+    proc = subprocess.run([sys.executable, "-m", "crossbow_tf.run", "--check", "--tensorboard", str(tmp_path / "tb")],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,6 +9,7 @@ tf.data pipeline, after one warm-up epoch that absorbs tracing.
     python tools/bench_throughput.py --ks 1 8 --rounds 5 --devices 2
     python tools/bench_throughput.py --model resnet32 --data cifar-shaped --examples 512
     python tools/bench_throughput.py --ks 8 --precision float32 mixed_bfloat16   # each side in both
+    python tools/bench_throughput.py --ks 8 --conv-forms grouped patches per-learner   # each conv form
 
 The sequence and attention models of tools/bench_models.py (transformer, bilstm, vit) get their own
 table: examples/s of SMA with fused learners and with replicated learners (one call per learner), and
@@ -36,6 +37,8 @@ from bench_learner_forms import SEQUENCE_MODELS  # noqa: E402
 
 from crossbow_tf.config import PRECISIONS  # noqa: E402
 
+CONV_FORMS = ("grouped", "grouped-float32", "patches", "per-learner")   # crossbow_tf.engine.conv_forms.FORMS
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,6 +60,9 @@ def parse_args(argv):
                    help="how a device runs its learners")
     p.add_argument("--precision", nargs="+", default=["float32"], choices=PRECISIONS,
                    help="Keras global dtype policies to measure every runner under (side by side)")
+    p.add_argument("--conv-forms", nargs="+", default=["auto"], choices=["auto", *CONV_FORMS],
+                   help="forms of the fused learners' convolutions to measure side by side (auto: the one the "
+                        "engine chooses here; a form that does not compute here is reported and left out)")
     p.add_argument("--json", metavar="FILE", help="also write the table's numbers to FILE (JSON)")
     p.add_argument("--sequence-length", type=int, default=64, help="tokens per review (transformer, bilstm)")
     p.add_argument("--vocabulary", type=int, default=20000, help="token ids (transformer, bilstm; keras-io's 20000)")
@@ -88,6 +94,7 @@ def main(argv=None):
     from crossbow_tf.data import from_arrays, load_embedded_mnist
     from crossbow_tf.data.pipeline import input_options, train_batches
     from crossbow_tf.distribute import CrossbowStrategy
+    from crossbow_tf.engine import conv_forms
     from crossbow_tf.engine.core import Engine
     from crossbow_tf.models import build_model
 
@@ -127,10 +134,11 @@ def main(argv=None):
             return data.train.size / (time.perf_counter() - start)
         return epoch
 
-    def sma_runner(k, momentum, precision):
+    def sma_runner(k, momentum, precision, form):
         strategy = CrossbowStrategy(devices=devices, learners_per_device=k // len(devices))
-        engine = Engine(fresh_model(precision), loss, SMA(momentum=momentum), strategy, learners=args.learners,
-                        jit_update=args.jit_update)
+        with conv_forms.forcing(None if form == "auto" else form):
+            engine = Engine(fresh_model(precision), loss, SMA(momentum=momentum), strategy, learners=args.learners,
+                            jit_update=args.jit_update)
 
         def one_epoch(epoch):
             for x, y, mask in train_batches(data.train, k * b, epoch, shuffle=False):
@@ -164,15 +172,25 @@ def main(argv=None):
             for _ in range(5):
                 float(engine.train_step(xb, yb, mb, 0.01)[0])
             return (mid - start) / (time.perf_counter() - mid)
-        return epoch, update_share
+        chosen = getattr(engine.learner_computation, "conv_forms", {})
+        return epoch, update_share, ", ".join(sorted({form for form, _ in chosen.values()})) or "-"
 
-    runners, shares = {}, {}
-    rows = [(k, mu, p) for p in args.precision for k in args.ks for mu in args.learner_momentum]
-    for k, mu, p in rows:
-        for batch in (b, k * b):
-            if ("keras", batch, p) not in runners:
-                runners["keras", batch, p] = keras_runner(batch, p)
-        runners[("sma", k, mu, p)], shares[k, mu, p] = sma_runner(k, mu, p)
+    runners, shares, used = {}, {}, {}
+    rows = []
+    for p in args.precision:
+        for k in args.ks:
+            for mu in args.learner_momentum:
+                for form in args.conv_forms:
+                    for batch in (b, k * b):
+                        if ("keras", batch, p) not in runners:
+                            runners["keras", batch, p] = keras_runner(batch, p)
+                    try:
+                        runners[("sma", k, mu, p, form)], shares[k, mu, p, form], used[k, mu, p, form] = \
+                            sma_runner(k, mu, p, form)
+                    except conv_forms.NoConvolutionForm as e:
+                        print(f"k={k} {p} conv form {form}: left out: {e}", file=sys.stderr)
+                        continue
+                    rows.append((k, mu, p, form))
     samples = {key: [] for key in runners}
     share_samples = {row: [] for row in rows}
     for r in range(args.rounds):
@@ -185,28 +203,30 @@ def main(argv=None):
 
     print(f"# {args.model} on {args.data} ({data.train.size} examples per epoch), per-learner batch b={b}, "
           f"{len(devices)} logical CPU device(s), update {'with' if args.jit_update else 'without'} XLA, "
-          f"{args.learners} learners, median of {args.rounds} interleaved rounds (images/s)\n")
+          f"{args.learners} learners, median of {args.rounds} interleaved rounds (images/s)")
+    print(f"# CPU: {conv_forms.cpu_summary()}; oneDNN {'on' if conv_forms.onednn_enabled() else 'off'} in this "
+          f"process\n")
     print("| k | learner momentum | SMA k x b | Keras at k*b | Keras at b | SMA / Keras(k*b) | SMA / Keras(b) "
-          "| update share | precision |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| update share | precision | conv form |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     table = []
-    for k, mu, p in rows:
-        sma, big, small = med[("sma", k, mu, p)], med[("keras", k * b, p)], med[("keras", b, p)]
-        share = statistics.median(share_samples[k, mu, p])
+    for k, mu, p, form in rows:
+        sma, big, small = med[("sma", k, mu, p, form)], med[("keras", k * b, p)], med[("keras", b, p)]
+        share = statistics.median(share_samples[k, mu, p, form])
         table.append(dict(precision=p, k=k, learner_momentum=mu, batch_size=b, global_batch=k * b, sma=sma,
-                          keras_global=big, keras_small=small, update_share=share))
+                          keras_global=big, keras_small=small, update_share=share, conv_form=used[k, mu, p, form]))
         print(f"| {k} | {mu:g} | {sma:.0f} | {big:.0f} | {small:.0f} | {sma / big:.2f} | {sma / small:.2f} "
-              f"| {share:.0%} | {p} |")
+              f"| {share:.0%} | {p} | {used[k, mu, p, form]} |")
     others = [p for p in args.precision if p != "float32"]
     if "float32" in args.precision and others:
         print("\nimages/s under each policy over float32's (same round-interleaved medians)\n")
         print("| k | learner momentum | SMA k x b | Keras at k*b | Keras at b | precision |")
         print("|---|---|---|---|---|---|")
-        for k, mu, p in rows:
-            if p != "float32":
-                print(f"| {k} | {mu:g} | {med['sma', k, mu, p] / med['sma', k, mu, 'float32']:.2f} "
+        for k, mu, p, form in rows:
+            if p != "float32" and ("sma", k, mu, "float32", form) in med:
+                print(f"| {k} | {mu:g} | {med['sma', k, mu, p, form] / med['sma', k, mu, 'float32', form]:.2f} "
                       f"| {med['keras', k * b, p] / med['keras', k * b, 'float32']:.2f} "
-                      f"| {med['keras', b, p] / med['keras', b, 'float32']:.2f} | {p} over float32 |")
+                      f"| {med['keras', b, p] / med['keras', b, 'float32']:.2f} | {p} over float32 ({form}) |")
     spread = max((max(v) - min(v)) / statistics.median(v) for v in samples.values())
     print(f"\nlargest spread across rounds (max-min)/median: {spread:.0%}")
     if args.json:

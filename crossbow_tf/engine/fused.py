@@ -38,7 +38,6 @@ cannot vectorize runs once per learner inside the fused computation; if that fai
 cannot be stacked, say), the learners switch to the replicated computation for good, with the same
 notice naming the layer, the op and the failure.
 """
-import contextlib
 import logging
 import re
 import weakref
@@ -54,8 +53,10 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.layers.layer import CallContext, CallSpec
 
+from crossbow_tf.engine import conv_forms
+from crossbow_tf.engine.conv_forms import quiet_tensorflow_log as _quiet_tensorflow_log
 from crossbow_tf.engine.fused_forms import apply_generic as _GENERIC_APPLY
-from crossbow_tf.engine.fused_forms import form_of, onednn_enabled, why_unsupported  # noqa: F401 (re-exported)
+from crossbow_tf.engine.fused_forms import form_of, learner_device_type, onednn_enabled, why_unsupported  # noqa: F401,E501 (re-exported)
 
 from crossbow_tf.engine.replicated import (ReplicatedLearners, in_variable_dtypes, masked_mean, per_example_loss_fn,
                                            unscaled)
@@ -74,17 +75,6 @@ class UnsupportedModel(ValueError):
 class PerLearnerCallFailed(RuntimeError):
     """A layer TensorFlow cannot vectorize also failed when called once per learner inside the fused
     computation: the whole model has to run replicated."""
-
-
-@contextlib.contextmanager
-def _quiet_tensorflow_log():
-    logger = logging.getLogger("tensorflow")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _graph_of(model):
@@ -277,6 +267,10 @@ class FusedLearners:
         self._state_position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
         # Layers the generic form ran once per learner (TensorFlow could not vectorize an op): name -> why.
         self._not_vectorized = {}
+        # The convolution form chosen when the engine is built (a test's or benchmark's forcing)
+        # holds for every trace of its steps.
+        self._forced_conv_form = conv_forms.forced()
+        self.conv_forms = {}   # compute dtype name (+ " dilated") -> (form, why), for the convolutions traced so far
 
     # ---- layouts ---------------------------------------------------------------------------
     # A fused tensor of rank 3 is (m, b, F); of rank 4 to 7, (b, ..., m, C) with the learners second
@@ -335,18 +329,21 @@ class FusedLearners:
         m = self._m
         kh, kw, c, o = kernel.shape[1:]
         kernel = tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]), [kh, kw, c, m * o])
-        if x.dtype == tf.float16 and "GPU" not in x.device.upper():
-            # TensorFlow's CPU kernels compute no filter gradient of a grouped float16 convolution
-            # (oneDNN's cover float32 and bfloat16): one convolution per learner there.
-            y = tf.concat([tf.nn.conv2d(x_i, k_i, strides=strides, padding=padding, dilations=dilations)
-                           for x_i, k_i in zip(tf.split(x, m, axis=-1), tf.split(kernel, m, axis=-1))], -1)
-        else:
-            y = tf.nn.conv2d(x, kernel, strides=strides, padding=padding, dilations=dilations)
+        dilated = any(rate > 1 for rate in ([dilations] if isinstance(dilations, int) else dilations))
+        y = conv_forms.convolve(self._conv_form(x.dtype, dilated), x, kernel, m, strides, padding, dilations)
         if layer.use_bias:
             y = tf.nn.bias_add(y, tf.reshape(self._w(layer.bias), [m * o]))
         if layer.activation in _ELEMENTWISE_ACTIVATIONS:
             return self._split(layer.activation(y), m)
         return layer.activation(self._split(y, m))
+
+    def _conv_form(self, dtype, dilated):
+        key = dtype.name + (" dilated" if dilated else "")
+        if key not in self.conv_forms:
+            self.conv_forms[key] = conv_forms.choose(dtype, learner_device_type(), self._forced_conv_form, dilated)
+            if self.conv_forms[key][0] != conv_forms.GROUPED:
+                log.info("crossbow_tf: the learners' %s convolutions: %s", key, self.conv_forms[key][1])
+        return self.conv_forms[key][0]
 
     def _apply(self, layer, args, kwargs):
         if _is_submodel(layer):

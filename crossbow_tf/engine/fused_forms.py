@@ -17,6 +17,9 @@ from keras import layers as L
 from keras.src.layers.preprocessing.image_preprocessing.base_image_preprocessing_layer import (
     BaseImagePreprocessingLayer)
 
+from crossbow_tf.engine import conv_forms
+from crossbow_tf.engine.conv_forms import onednn_enabled  # noqa: F401 (re-exported)
+
 ELEMENTWISE = (L.Activation, L.ReLU, L.LeakyReLU, L.ELU, L.Softmax, L.Add, L.Subtract, L.Multiply,
                L.Average, L.Maximum, L.Minimum)
 MERGES = (L.Add, L.Subtract, L.Multiply, L.Average, L.Maximum, L.Minimum, L.Concatenate)
@@ -25,23 +28,12 @@ GLOBAL_POOLING = (L.GlobalAveragePooling2D, L.GlobalMaxPooling2D, L.GlobalAverag
 NOT_HERE = "not this form's layer"
 
 
-def onednn_enabled():
-    """True when TensorFlow runs oneDNN kernels in this process.
-
-    TensorFlow's own CPU kernels compute no filter gradient of a grouped convolution (and its fused
-    Conv2D+BiasAdd rejects groups); oneDNN's do. TensorFlow turns oneDNN on by default only on some
-    CPUs (not on AMD EPYC, for example); importing crossbow_tf before TensorFlow turns it on.
-    """
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-    except ImportError:
-        return False
-    return bool(_pywrap_util_port.IsMklEnabled())
-
-
 def learners_on_cpu():
-    # On a GPU cuDNN computes grouped convolutions; the oneDNN requirement is the CPU's alone.
     return not tf.config.list_logical_devices("GPU")
+
+
+def learner_device_type():
+    return "CPU" if learners_on_cpu() else "GPU"
 
 
 def _tensors(args):
@@ -51,9 +43,9 @@ def _tensors(args):
 def _conv_reason(layer, paddings):
     if layer.padding not in paddings:
         return f"padding {layer.padding!r} is not fused"
-    if learners_on_cpu() and not onednn_enabled():
-        return ("the learners' grouped convolution needs oneDNN, which is off in this process "
-                "(set TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow is imported)")
+    # A form of the convolution that computes here, probed now, before training (raises where none does).
+    conv_forms.choose(layer.compute_dtype, learner_device_type(), conv_forms.forced(),
+                      dilated=any(rate > 1 for rate in layer.dilation_rate))
     return None
 
 
