@@ -93,6 +93,7 @@ import crossbow_tf
 from crossbow_tf.engine import conv_forms
 for dtype in ("float32", "bfloat16"):
     print(dtype, conv_forms.choose(dtype, "CPU")[0], "grouped:", conv_forms.why_not("CPU", dtype, "grouped"))
+    print(dtype + "-dilated", conv_forms.choose(dtype, "CPU", dilated=True)[0])
 """
 
 
@@ -104,21 +105,23 @@ def choices(env):
     return {line.split()[0]: line for line in out.stdout.splitlines()}
 
 
-def test_eigen_kernels_compute_no_grouped_gradient_and_the_patches_form_serves():
+def test_eigen_kernels_compute_no_grouped_gradient_and_the_portable_forms_serve():
     # Issue 43's reproduction: wherever oneDNN is off (TensorFlow's default on CPUs without AVX-512,
     # a script that imports keras first there, TF_ENABLE_ONEDNN_OPTS=0), TensorFlow's own kernels
-    # refuse the grouped convolution's gradients in every dtype; the model stays fused all the same.
+    # refuse the grouped convolution's gradients in every dtype; the model stays fused all the same:
+    # one convolution per learner, and for a dilated one, whose gradient those kernels lack, the patches.
     chosen = choices({"TF_ENABLE_ONEDNN_OPTS": "0"})
     for dtype in ("float32", "bfloat16"):
-        assert chosen[dtype].startswith(f"{dtype} patches grouped: "), chosen[dtype]
+        assert chosen[dtype].startswith(f"{dtype} per-learner grouped: "), chosen[dtype]
         assert "grouped convolutions" in chosen[dtype] or "filter_size" in chosen[dtype]
+        assert chosen[dtype + "-dilated"] == f"{dtype}-dilated patches"
 
 
 def test_onednn_without_bfloat16_computes_bfloat16_through_float32():
     # oneDNN capped at AVX2, as on an AMD EPYC without AVX-512: float32 grouped; bfloat16 fails in the
     # forward pass already, so the grouped convolution runs in float32 with casts.
     chosen = choices({"ONEDNN_MAX_CPU_ISA": "AVX2"})
-    assert chosen["float32"] == "float32 grouped grouped: None"
+    assert chosen["float32"] == "float32 grouped grouped: None" and chosen["float32-dilated"] == "float32-dilated grouped"
     assert chosen["bfloat16"].startswith("bfloat16 grouped-float32 grouped: ")
     assert "primitive descriptor" in chosen["bfloat16"]
 
@@ -133,7 +136,7 @@ def test_a_forced_form_is_used_and_one_that_does_not_compute_is_refused(monkeypa
     assert conv_forms.forced() == conv_forms.PATCHES
     monkeypatch.setenv(conv_forms.FORM_VARIABLE, "im2col")
     with pytest.raises(ConfigError, match="CROSSBOW_TF_CONV_FORM='im2col': not a convolution form; choose one of "
-                                          "grouped, grouped-float32, patches, per-learner"):
+                                          "grouped, grouped-float32, per-learner, patches"):
         conv_forms.forced()
     monkeypatch.setitem(conv_forms._probed, ("CPU", "float32", "patches", False), "no BatchMatMul kernel")
     with pytest.raises(conv_forms.NoConvolutionForm, match="the learners' convolution in the patches form .* computes "

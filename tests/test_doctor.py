@@ -52,8 +52,8 @@ def test_without_onednn_the_convolutions_take_the_portable_form_and_nothing_fail
     assert result.returncode == 0, result.stdout + result.stderr
     lines = verdict_lines(result.stdout)
     line = lines["conv-forms"]
-    assert line.startswith("conv-forms      ok (float32 patches (grouped does not: Fused conv implementation does not "
-                           "support grouped convolutions for now.); bfloat16 patches (grouped does not: "), line
+    assert line.startswith("conv-forms      ok (float32 per-learner (grouped does not: Fused conv implementation does "
+                           "not support grouped convolutions for now.); bfloat16 per-learner (grouped does not: "), line
     assert line.endswith("each against float64 per learner on 2 device(s), oneDNN off, "
                          f"{conv_forms.cpu_summary()})")
     assert lines["mixed_bfloat16"].startswith("mixed_bfloat16  ok (two fused SMA steps")

@@ -185,6 +185,13 @@ for learners in ("auto", "replicated"):
           sorted(getattr(engine.learner_computation, "conv_forms", {}).items()))
 apart = max(np.abs(a - b).max() for a, b in zip(weights["auto"], weights["replicated"]))
 print("apart", apart)
+inputs = keras.Input((12, 12, 1))
+hidden = keras.layers.Conv2D(3, 3, dilation_rate=2, activation="relu")(inputs)
+dilated = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(hidden)))
+engine = Engine(dilated, loss, SMA(), CrossbowStrategy(learners_per_device=3))
+value, _ = engine.train_step(x[:, 8:20, 8:20], np.arange(6, dtype=np.int32), np.ones(6), 0.05)
+print("dilated", type(engine.learner_computation).__name__, np.isfinite(float(value)),
+      sorted(form for form, _ in engine.learner_computation.conv_forms.values()))
 """
 
 
@@ -200,10 +207,12 @@ def test_without_onednn_convolutions_stay_fused_in_the_portable_form():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
-    assert lines["auto"].startswith("FusedLearners True [('float32', ('patches', "), lines
+    assert lines["auto"].startswith("FusedLearners True [('float32', ('per-learner', "), lines
     assert "grouped does not (" in lines["auto"]
     assert lines["replicated"] == "ReplicatedLearners True []"
     assert float(lines["apart"]) < 1e-5
+    # Those kernels compute no gradient of a dilated convolution, even one per learner.
+    assert lines["dilated"] == "FusedLearners True ['patches']"
     assert "learners run replicated" not in out.stderr
 
 

@@ -12,11 +12,12 @@ computes serves:
 - ``grouped``: one grouped convolution in the compute dtype;
 - ``grouped-float32``: the grouped convolution computed in float32, cast from and back to the
   compute dtype (a mixed-precision policy on a CPU whose oneDNN covers only float32);
+- ``per-learner``: one convolution per learner inside the one fused computation (every kernel
+  library has these, but TensorFlow's own CPU kernels compute no gradient of a dilated one); the
+  rest of the model stays fused;
 - ``patches``: no convolution op at all: the input's kh*kw shifted views stacked and contracted with
   every learner's filter in one einsum (a batched matmul over the learners), so every kernel
-  library that multiplies matrices in the dtype computes it and its gradients;
-- ``per-learner``: one convolution per learner inside the one fused computation (every kernel
-  library has these); the rest of the model stays fused.
+  library that multiplies matrices in the dtype computes it and its gradients, dilated or not.
 
 Where none computes (no kernel for the dtype at all), the engine refuses before training in one line.
 ``CROSSBOW_TF_CONV_FORM=<form>`` (or ``forcing(form)`` in tests and benchmarks) chooses a form
@@ -35,8 +36,10 @@ GROUPED = "grouped"
 GROUPED_FLOAT32 = "grouped-float32"
 PATCHES = "patches"
 PER_LEARNER = "per-learner"
-# In the order the probe tries them: measured fastest first where both compute (docs/performance.md).
-FORMS = (GROUPED, GROUPED_FLOAT32, PATCHES, PER_LEARNER)
+# In the order the probe tries them: the faster first where both compute (docs/performance.md: on
+# TensorFlow's Eigen kernels per-learner ran LeNet's learners about 3x faster than patches, which
+# serves where per-learner does not compute, a dilated convolution's gradients there).
+FORMS = (GROUPED, GROUPED_FLOAT32, PER_LEARNER, PATCHES)
 FORM_VARIABLE = "CROSSBOW_TF_CONV_FORM"
 
 _PROBE_LEARNERS = 2
