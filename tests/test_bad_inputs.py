@@ -63,6 +63,29 @@ def _sma_model(devices, **kw):
     return use_sma(model, CrossbowStrategy(devices=devices[:2]), **kw)
 
 
+OWN_LOSS_MODEL = """
+import keras
+class Doubled(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return 2.0 * super().compute_loss(x, y, y_pred, sample_weight, training)
+def build(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return Doubled(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+"""
+
+
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _own_step_model(devices):
+    inputs = keras.Input((4,))
+    model = OwnStep(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+    return use_sma(model, CrossbowStrategy(devices=devices[:2]))
+
+
 def _engine(devices, k=2):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
@@ -168,6 +191,9 @@ CASES = [
     yaml_case("model file: the name is not a function", "model: bad_models.py:NOT_A_FUNCTION\n",
               "NOT_A_FUNCTION is an int, not a function", files={"bad_models.py": "NOT_A_FUNCTION = 3\n"}),
     yaml_case("model file missing", "model: nofile.py:build\n", "model: nofile.py:build: file nofile.py not found"),
+    yaml_case("model file: its class overrides compute_loss", "model: own_loss.py:build\n",
+              "returned a Doubled, which overrides compute_loss: crossbow_tf.run and the harness train the config's "
+              "loss and would drop that logic", files={"own_loss.py": OWN_LOSS_MODEL}),
     yaml_case("model module missing", "model: no_such_module:build\n",
               "model: no_such_module:build: no module 'no_such_module'"),
     # ---- baselines
@@ -260,6 +286,8 @@ CASES = [
     Case("CrossbowStrategy(cross_device_reduction='fast')", "api", ValueError, "cross_device_reduction must be one of",
          call=lambda tmp, d: CrossbowStrategy(devices=d[:2], cross_device_reduction="fast")),
     # ---- Python API: use_sma and the update rules
+    Case("use_sma on a model whose class overrides train_step", "api", ValueError,
+         "OwnStep overrides train_step, which use_sma cannot honour", call=lambda tmp, d: _own_step_model(d)),
     Case("use_sma(alpha='banana')", "api", TypeError, "SMA: alpha must be a number, got 'banana'",
          call=lambda tmp, d: _sma_model(d, alpha="banana")),
     Case("use_sma(alpha=2)", "api", ValueError, "SMA: alpha must be in [0, 1] or None, got 2",

@@ -43,6 +43,12 @@ def returns_a_list(input_shape, num_classes):
 
 def takes_nothing():
     return None
+class Doubled(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return 2.0 * super().compute_loss(x, y, y_pred, sample_weight, training)
+def own_loss(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return Doubled(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
 '''
 
 USER_FILE = '''
@@ -161,6 +167,10 @@ def test_a_users_model_trains_through_the_engine_and_the_stock_baseline(in_folde
     ("user_models:takes_nothing", "user_models:takes_nothing((28, 28, 1), 10) failed (TypeError:"),
     ("lenett", "model: unknown model 'lenett'"),
     ("user_models:", "expected module:function or path/to/file.py:function"),
+    # Issue 44: its own objective would be dropped by the engine's step, and run by Keras's fit in tf_ssgd.
+    ("user_models:own_loss", "user_models:own_loss((28, 28, 1), 10) returned a Doubled, which overrides "
+                             "compute_loss: crossbow_tf.run and the harness train the config's loss and would drop "
+                             "that logic; train it with use_sma in a script of yours"),
 ])
 def test_a_bad_model_is_one_line_and_exit_2_before_training(in_folder, capsys, spec, message):
     cfg = write_config(in_folder / "bad.yaml", model=spec)
@@ -175,7 +185,8 @@ def test_a_bad_model_is_one_line_and_exit_2_before_training(in_folder, capsys, s
 @pytest.mark.parametrize("main", [tf_ssgd.main, crossbow_ssgd.main], ids=["tf_ssgd", "crossbow_ssgd"])
 def test_the_baselines_refuse_a_bad_model_alike(in_folder, capsys, main):
     for spec, message in (("no_such_module:build", "no module 'no_such_module'"),
-                          ("user_models:returns_a_list", "returned list, not a Keras model")):
+                          ("user_models:returns_a_list", "returned list, not a Keras model"),
+                          ("user_models:own_loss", "returned a Doubled, which overrides compute_loss")):
         cfg = write_config(in_folder / "bad.yaml", model=spec)
         assert main(["--config", cfg, "--results", str(in_folder / "never.json")]) == 2
         assert message in one_error_line(capsys)

@@ -600,8 +600,13 @@ class FusedLearners:
         with tf.GradientTape() as tape:
             tape.watch(weights)
             preds, new_states = self.forward(weights, states, x)
-            losses = tf.stack([masked_mean(self.per_example_loss(y[i], preds[i]), mask[i])
-                               for i in range(x.shape[0])])
+            if hasattr(self.loss, "learner_loss"):   # the model's own compute_loss, once per learner
+                losses = tf.stack([self.loss.learner_loss(tf.nest.map_structure(lambda t: t[i], x), y[i], preds[i],
+                                                          mask[i], [w[i] for w in weights], [s[i] for s in new_states])
+                                   for i in range(x.shape[0])])
+            else:
+                losses = tf.stack([masked_mean(self.per_example_loss(y[i], preds[i]), mask[i])
+                                   for i in range(x.shape[0])])
             total = tf.reduce_sum(losses)
             if scale is not None:   # loss scaling (float16): the gradients come back divided by SCALE
                 total = total * scale

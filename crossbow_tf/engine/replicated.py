@@ -48,7 +48,7 @@ class ReplicatedLearners:
     fused = False
 
     def __init__(self, model, loss):
-        self.model = model
+        self.model, self.loss = model, loss
         self.per_example_loss = per_example_loss_fn(loss)
 
     def __call__(self, weights, states, x, y, mask, scale=None):
@@ -72,9 +72,12 @@ class ReplicatedLearners:
                 # As Keras's own stateless trainers do: `training` only for a call() that takes it.
                 training = {"training": True} if getattr(self.model, "_call_has_training_arg", True) else {}
                 y_pred, s_new, extra = self.model.stateless_call(w_i, s_i, x[i], return_losses=True, **training)
-                loss = masked_mean(self.per_example_loss(y[i], y_pred), mask[i])
-                if extra:
-                    loss = loss + tf.add_n([tf.cast(e, loss.dtype) for e in extra])
+                if hasattr(self.loss, "learner_loss"):   # the model's own compute_loss, add_loss terms included
+                    loss = self.loss.learner_loss(x[i], y[i], y_pred, mask[i], w_i, s_new, extra)
+                else:
+                    loss = masked_mean(self.per_example_loss(y[i], y_pred), mask[i])
+                    if extra:
+                        loss = loss + tf.add_n([tf.cast(e, loss.dtype) for e in extra])
                 scaled = loss if scale is None else loss * scale
             grads.append(unscaled(in_variable_dtypes(
                 tape.gradient(scaled, w_i, unconnected_gradients=tf.UnconnectedGradients.ZERO), w_i), scale))

@@ -25,7 +25,8 @@ from crossbow_tf.engine.optimizers import check_noise_matching, is_momentum_sgd,
 from crossbow_tf.engine.replicated import ReplicatedLearners
 from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
-from crossbow_tf.keras.structure import CompiledLoss, Packer, PackedModel, check_compiled_loss
+from crossbow_tf import training_hooks as hooks
+from crossbow_tf.keras.structure import CompiledLoss, OverriddenLoss, Packer, PackedModel, check_compiled_loss
 
 STATE_SUFFIX = ".crossbow.npz"
 _ATTRIBUTE = "_crossbow_training"
@@ -236,6 +237,9 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     optimizer, loss_scale = _unwrapped_optimizer(model.optimizer)
     rule = algorithm_from_optimizer(optimizer, algorithm, alpha, central_momentum, weight_decay)
     check_compiled_loss(model)
+    refused = hooks.refusal(type(model))
+    if refused:
+        raise ValueError(refused)
     detach(model)
     if reset_on_lr_drop not in ("auto", True, False) or not isinstance(reset_on_lr_drop, (str, bool)):
         raise ValueError(f"reset_on_lr_drop must be \"auto\", True or False, got {reset_on_lr_drop!r}")
@@ -295,7 +299,8 @@ class CrossbowTraining:
         self.model = model
         self.learning_rate_scale = float(learning_rate_scale)
         self.strategy = strategy
-        self.loss = CompiledLoss(model)
+        # A compute_loss of the model's own is its objective, for every learner (crossbow_tf/training_hooks.py).
+        self.loss = OverriddenLoss(model) if hooks.overrides(type(model), "compute_loss") else CompiledLoss(model)
         self.per_learner_batch = per_learner_batch
         self._engine_options = dict(jit_compile=jit_compile, **({} if learners is None else {"learners": learners}))
         # The learners' Keras optimizer (None: the rule's own momentum SGD, from a plain SGD).
@@ -356,8 +361,11 @@ class CrossbowTraining:
         model = self.model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         first = next(leaf for leaf in tree.flatten(x) if leaf is not None)
+        own_loss = isinstance(self.loss, OverriddenLoss)
+        if own_loss:
+            self.loss.targets_given = y is not None
         if y is None:
-            if self.loss.has_loss:
+            if self.loss.has_loss and not own_loss:
                 raise ValueError("Crossbow training needs targets y for the compiled loss")
             # The loss comes from add_loss alone; the engine still cuts a target tensor into slices.
             y_targets = tf.zeros([tf.shape(first)[0]], tf.float32)
@@ -378,7 +386,7 @@ class CrossbowTraining:
         weights = None
         targets = y_pad
         if sample_weight is not None:
-            if not self.loss.has_loss:
+            if not self.loss.has_loss and not own_loss:
                 raise ValueError("sample weights apply to the compiled loss, and the model was compiled "
                                  "without one (its loss comes from add_loss alone)")
             _check_sample_weight(sample_weight)
@@ -439,12 +447,14 @@ class CrossbowTraining:
         spec = tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), x)
         y_pred = self.model.compute_output_spec(spec)
         self.loss.build(y, y_pred)
-        if not self.loss.has_loss:
+        if not self.loss.has_loss and not isinstance(self.loss, OverriddenLoss):
             self._check_model_adds_a_loss(x)
         if tree.is_nested(x) or tree.is_nested(y_pred):
             # The engine slices single tensors; nested inputs and outputs travel packed.
             self._packers = (Packer(x), None, Packer(y_pred, differentiable=True))
             self.loss.output_packer = self._packers[2]
+            if isinstance(self.loss, OverriddenLoss):
+                self.loss.input_packer = self._packers[0]
             packed = PackedModel(self.model, self._packers[0], self._packers[2])
             self.engine.run_learners_through(ReplicatedLearners(packed, self.loss))
         self._prepared = True

@@ -178,6 +178,41 @@ class CompiledLoss:
         return total
 
 
+class OverriddenLoss(CompiledLoss):
+    """The model's own ``compute_loss`` (its class overrides it), run for each learner as Keras runs it
+    after the forward pass: with that learner's inputs, targets, predictions and sample weights, its
+    weights and states in place of the model's variables (Keras's ``stateless_compute_loss``), and the
+    forward pass's ``add_loss`` terms as ``self.losses``. Padding rows of a last partial batch come with
+    sample weight 0, times the user's sample weights where the step has them."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.input_packer = None
+        self.targets_given = True    # False: fit gave no y, and the override gets y=None as in Keras
+
+    def learner_loss(self, x, y_in, y_pred, mask, weights, states, forward_losses=()):
+        model = self.model
+        if self.input_packer is not None:
+            x = self.input_packer.unpack(x)
+        if self.output_packer is not None:
+            y_pred = self.output_packer.unpack(y_pred)
+        y, sample_weight, _ = self.unpack_targets(y_in)
+        if sample_weight is None:
+            sample_weight = mask
+        else:
+            sample_weight = tree.map_structure(
+                lambda w: tf.cast(w, mask.dtype) * tf.reshape(mask, [-1] + [1] * (len(w.shape) - 1)), sample_weight)
+        metrics = [v.value for v in model.metrics_variables]
+        # As Keras's JAX trainer hands a stateless forward pass's losses to compute_loss.
+        model._losses_override = list(forward_losses)
+        try:
+            loss, _ = model.stateless_compute_loss(weights, states, metrics, x=x, y=y if self.targets_given else None,
+                                                   y_pred=y_pred, sample_weight=sample_weight, training=True)
+        finally:
+            model._losses_override = []
+        return tf.cast(loss, tf.float32)
+
+
 def _weighted(values, weight, real, reduction):
     """VALUES (n, ...) times the sample weights, scaled for REDUCTION so that their mean over the
     real examples is Keras's weighted reduction."""

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 
+from crossbow_tf import training_hooks as hooks
 from crossbow_tf.errors import ConfigError
 from crossbow_tf.models.lenet import lenet, lenet_bn
 from crossbow_tf.models.resnet32 import resnet32
@@ -104,6 +105,14 @@ def build_model(name, input_shape, num_classes):
         raise ConfigError(f"model: {call} failed ({type(e).__name__}: {_one_line(e)})") from None
     if not isinstance(model, keras.Model):
         raise ConfigError(f"model: {call} returned {type(model).__name__}, not a Keras model")
+    own = [hook.name for hook in hooks.overridden(type(model)) if hook.treatment != hooks.HONOURED]
+    if own:
+        # The runs and the baselines train the config's loss with the engine's step on every side; Keras's
+        # fit in tf_ssgd would run the override, the engine would not: no fair comparison either way.
+        raise ConfigError(f"model: {call} returned a {type(model).__name__}, which overrides {' and '.join(own)}: "
+                          "crossbow_tf.run and the harness train the config's loss and would drop that logic; "
+                          "train it with use_sma in a script of yours (it honours compute_loss, "
+                          "docs/keras.md)")
     if not model.built:
         # A subclassed model without an Input creates its weights in its first call, as in fit;
         # Model.build would mark it built without them.

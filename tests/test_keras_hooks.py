@@ -1,0 +1,221 @@
+"""A model's own training logic under use_sma (issue 44, crossbow_tf/training_hooks.py): an overridden
+compute_loss is every learner's objective, against plain Keras with the same override; test_step and
+predict_step stay the model's own in evaluate and predict; the overrides use_sma cannot honour are
+refused in one line before training, naming the class, the method and what to do instead.
+
+References are plain Keras on the same data: S-SGD at a global batch G equals Keras's SGD at G (for a
+loss that is a mean over the batch), and after one SMA step from z each learner equals a plain Keras
+model stepped on its own slice.
+"""
+import os
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from crossbow_tf import training_hooks as hooks
+from crossbow_tf.keras import get_training, use_sma
+from keras_learners import four_learners
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K, B = 4, 6
+G = K * B
+PENALTY = 100.0
+
+
+def _data(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 5)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+class Penalised(keras.Model):
+    """Keras's loss plus a known constant and a term in the predictions (so that the override changes
+    the gradients too)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + PENALTY + 0.5 * ops.mean(ops.square(y_pred))
+
+
+def _functional(cls, seed=1, loss="default"):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = cls(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True) if loss == "default" else loss)
+    return model
+
+
+def test_an_overridden_compute_loss_gives_plain_keras_first_step_loss(cpu_devices):
+    x, y = _data(G)
+    plain = _functional(Penalised).train_on_batch(x, y)
+    model = use_sma(_functional(Penalised), four_learners(cpu_devices))
+    ours = model.train_on_batch(x, y)
+    assert plain > PENALTY
+    np.testing.assert_allclose(ours, plain, rtol=1e-6)
+
+
+def test_each_learner_steps_on_the_override_with_its_own_slice(cpu_devices):
+    x, y = _data(G)
+    model = use_sma(_functional(Penalised), four_learners(cpu_devices))
+    model.fit(x, y, batch_size=G, epochs=1, shuffle=False, verbose=0)
+    for j, learner in enumerate(get_training(model).learner_weights()):
+        plain = _functional(Penalised)
+        plain.train_on_batch(x[j * B:(j + 1) * B], y[j * B:(j + 1) * B])
+        for ours, theirs in zip(learner, plain.get_weights()):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5, err_msg=f"learner {j}")
+    # The compiled loss alone steps elsewhere: the override really is the objective.
+    compiled_only = _functional(keras.Model)
+    compiled_only.train_on_batch(x[:B], y[:B])
+    assert not np.allclose(compiled_only.get_weights()[-1], get_training(model).learner_weights()[0][-1], atol=1e-4)
+
+
+def test_synchronous_sgd_with_the_override_equals_keras_at_the_global_batch(cpu_devices):
+    x, y = _data()
+    plain = _functional(Penalised)
+    plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    model = use_sma(_functional(Penalised), four_learners(cpu_devices), algorithm="ssgd")
+    history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-6)
+
+
+class Distiller(keras.Model):
+    """keras-io's knowledge distillation in small: a frozen teacher, compiled without a loss, the
+    objective in compute_loss from x, y and the teacher's soft targets."""
+
+    def __init__(self, student, teacher, **kwargs):
+        super().__init__(**kwargs)
+        self.student, self.teacher = student, teacher
+        self.teacher.trainable = False
+
+    def call(self, x, training=False):
+        return self.student(x, training=training)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        teacher = self.teacher(x, training=False)
+        student_loss = keras.losses.sparse_categorical_crossentropy(y, y_pred, from_logits=True)
+        distillation = keras.losses.kl_divergence(ops.softmax(teacher / 2.0), ops.softmax(y_pred / 2.0)) * 4.0
+        weights = 1.0 if sample_weight is None else sample_weight
+        return ops.sum((0.1 * student_loss + 0.9 * distillation) * weights) / ops.cast(ops.shape(y)[0], "float32")
+
+
+def _distiller(seed=2):
+    keras.utils.set_random_seed(seed)
+    teacher = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    student = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)])
+    model = Distiller(student, teacher)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["sparse_categorical_accuracy"])
+    return model
+
+
+def test_a_distiller_compiled_without_a_loss_trains_on_its_own_objective(cpu_devices):
+    # Before issue 44: refused with "No loss to compute ... Provide a `loss` argument in `compile()`".
+    x, y = _data()
+    plain = _distiller()
+    plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    model = use_sma(_distiller(), four_learners(cpu_devices), algorithm="ssgd")
+    history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.student.get_weights(), plain.student.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["sparse_categorical_accuracy"],
+                               plain_history.history["sparse_categorical_accuracy"])
+
+
+class Reconstructing(keras.Model):
+    """An autoencoder whose compute_loss reads x, fitted without targets."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        assert y is None
+        return ops.mean(ops.square(y_pred - x)) + ops.sum(self.losses)
+
+
+def test_an_override_that_reads_x_trains_without_targets(cpu_devices):
+    x, _ = _data()
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        code = keras.layers.Dense(2, activation="tanh", activity_regularizer=keras.regularizers.L2(0.01))(inputs)
+        model = Reconstructing(inputs, keras.layers.Dense(5)(code))
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+        return model
+    plain = build()
+    plain_history = plain.fit(x, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    model = use_sma(build(), four_learners(cpu_devices), algorithm="ssgd")
+    history = model.fit(x, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
+
+
+class OwnEvaluation(keras.Model):
+    """Its own test_step and predict_step, each marking what it returns."""
+
+    def test_step(self, data):
+        x, y = data
+        return {"own_test": ops.mean(self(x, training=False)) * 0.0 + 7.0}
+
+    def predict_step(self, data):
+        return self(data, training=False) * 0.0 - 3.0
+
+
+def test_evaluate_and_predict_use_the_models_own_steps_on_z(cpu_devices):
+    x, y = _data()
+    model = use_sma(_functional(OwnEvaluation), four_learners(cpu_devices))
+    history = model.fit(x, y, batch_size=G, epochs=1, validation_data=(x, y), shuffle=False, verbose=0)
+    assert history.history["val_own_test"] == [7.0]
+    assert model.evaluate(x, y, batch_size=G, verbose=0, return_dict=True) == {"own_test": 7.0}
+    assert np.all(model.predict(x, batch_size=G, verbose=0) == -3.0)
+
+
+class OwnTrainStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+class OwnFit(keras.Model):
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **kwargs)
+
+
+class OwnTrainOnBatch(keras.Model):
+    def train_on_batch(self, *args, **kwargs):
+        return super().train_on_batch(*args, **kwargs)
+
+
+class OwnTrainFunction(keras.Model):
+    def make_train_function(self, force=False):
+        return super().make_train_function(force)
+
+
+@pytest.mark.parametrize("cls, method", [(OwnTrainStep, "train_step"), (OwnFit, "fit"),
+                                         (OwnTrainOnBatch, "train_on_batch"),
+                                         (OwnTrainFunction, "make_train_function")])
+def test_an_override_use_sma_cannot_honour_is_refused_in_one_line_before_training(cpu_devices, cls, method):
+    model = _functional(cls)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError) as refused:
+        use_sma(model, four_learners(cpu_devices))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{cls.__name__} overrides {method}, which use_sma cannot honour (")
+    assert message.endswith(hooks.BY_NAME[method].instead)
+    assert not hasattr(model, "_crossbow_training")             # the model is left as it was: plain Keras
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_keras_own_classes_override_nothing():
+    for cls in (keras.Model, keras.Sequential, type(_functional(keras.Model))):
+        assert hooks.overridden(cls) == []
+    assert [hook.name for hook in hooks.overridden(Penalised)] == ["compute_loss"]
+    assert [hook.name for hook in hooks.overridden(OwnEvaluation)] == ["test_step", "predict_step"]
+
+
+def test_docs_keras_holds_the_hooks_table():
+    with open(os.path.join(REPO, "docs", "keras.md"), encoding="utf-8") as f:
+        assert hooks.markdown_table() in f.read()
