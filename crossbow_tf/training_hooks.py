@@ -20,11 +20,11 @@ HOOKS = (
     Hook("compute_loss", PER_LEARNER,
          "each learner's loss is the override, called with that learner's slice, predictions and weights "
          "(Keras's stateless_compute_loss); the forward pass stays fused"),
-    Hook("train_step", REFUSED,
-         "use_sma's step runs all k learners and the synchronisation; a model's own train_step does not run "
-         "per learner yet",
-         "move its loss into compute_loss(x, y, y_pred, sample_weight, training), which use_sma runs per "
-         "learner, or train this model without use_sma"),
+    Hook("train_step", PER_LEARNER,
+         "it runs once per learner, on that learner's slice, with its weights and states in the model's "
+         "variables; what it hands to model.optimizer (apply, apply_gradients) is that learner's gradient, and "
+         "SMA's correction and central update follow; its trackers are the model's own, fit shows the logs it "
+         "returns; a step that drives another optimizer (a GAN's) is refused when fit traces it"),
     Hook("test_step", HONOURED, "evaluate, predict and validation are Keras's own, on the central model z"),
     Hook("predict_step", HONOURED, "evaluate, predict and validation are Keras's own, on the central model z"),
     Hook("compute_metrics", HONOURED,

@@ -74,14 +74,14 @@ def build(input_shape, num_classes):
 """
 
 
-class OwnStep(keras.Model):
-    def train_step(self, data):
-        return super().train_step(data)
+class OwnFit(keras.Model):
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **kwargs)
 
 
-def _own_step_model(devices):
+def _own_fit_model(devices):
     inputs = keras.Input((4,))
-    model = OwnStep(inputs, keras.layers.Dense(3)(inputs))
+    model = OwnFit(inputs, keras.layers.Dense(3)(inputs))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
     return use_sma(model, CrossbowStrategy(devices=devices[:2]))
 
@@ -286,8 +286,8 @@ CASES = [
     Case("CrossbowStrategy(cross_device_reduction='fast')", "api", ValueError, "cross_device_reduction must be one of",
          call=lambda tmp, d: CrossbowStrategy(devices=d[:2], cross_device_reduction="fast")),
     # ---- Python API: use_sma and the update rules
-    Case("use_sma on a model whose class overrides train_step", "api", ValueError,
-         "OwnStep overrides train_step, which use_sma cannot honour", call=lambda tmp, d: _own_step_model(d)),
+    Case("use_sma on a model whose class overrides fit", "api", ValueError,
+         "OwnFit overrides fit, which use_sma cannot honour", call=lambda tmp, d: _own_fit_model(d)),
     Case("use_sma(alpha='banana')", "api", TypeError, "SMA: alpha must be a number, got 'banana'",
          call=lambda tmp, d: _sma_model(d, alpha="banana")),
     Case("use_sma(alpha=2)", "api", ValueError, "SMA: alpha must be in [0, 1] or None, got 2",

@@ -193,7 +193,7 @@ class OwnTrainFunction(keras.Model):
         return super().make_train_function(force)
 
 
-@pytest.mark.parametrize("cls, method", [(OwnTrainStep, "train_step"), (OwnFit, "fit"),
+@pytest.mark.parametrize("cls, method", [(OwnFit, "fit"),
                                          (OwnTrainOnBatch, "train_on_batch"),
                                          (OwnTrainFunction, "make_train_function")])
 def test_an_override_use_sma_cannot_honour_is_refused_in_one_line_before_training(cpu_devices, cls, method):
@@ -219,3 +219,154 @@ def test_keras_own_classes_override_nothing():
 def test_docs_keras_holds_the_hooks_table():
     with open(os.path.join(REPO, "docs", "keras.md"), encoding="utf-8") as f:
         assert hooks.markdown_table() in f.read()
+
+
+# ------------------------------------------------------------------------------- train_step of its own
+class CustomFit(keras.Model):
+    """keras-io's "Customizing what happens in fit()" (its first train_step, in Keras 3's form)."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        trainable_vars = self.trainable_variables
+        gradients = tape.gradient(loss, trainable_vars)
+        self.optimizer.apply(gradients, trainable_vars)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _custom_fit(seed=1):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    model = CustomFit(inputs, keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def test_a_models_own_train_step_runs_per_learner_and_equals_keras_under_synchronous_sgd(cpu_devices):
+    x, y = _data()
+    plain = _custom_fit()
+    plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    model = use_sma(_custom_fit(), four_learners(cpu_devices), algorithm="ssgd")
+    history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    assert set(history.history) == {"loss", "accuracy"}
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[key], plain_history.history[key], rtol=1e-5, err_msg=key)
+
+
+def test_each_learner_steps_with_what_its_own_train_step_applies(cpu_devices):
+    x, y = _data(G)
+    model = use_sma(_custom_fit(), four_learners(cpu_devices))
+    model.fit(x, y, batch_size=G, epochs=1, shuffle=False, verbose=0)
+    for j, learner in enumerate(get_training(model).learner_weights()):
+        plain = _custom_fit()   # its train_step takes (x, y): fit, as train_on_batch adds a sample weight
+        plain.fit(x[j * B:(j + 1) * B], y[j * B:(j + 1) * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
+        for ours, theirs in zip(learner, plain.get_weights()):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5, err_msg=f"learner {j}")
+
+
+class VAE(keras.Model):
+    """keras-io's variational autoencoder in small: encoder and decoder models, its own train_step with a
+    KL term, its own trackers, compiled without a loss, no call of its own."""
+
+    def __init__(self, encoder, decoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder, self.decoder = encoder, decoder
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+        self.reconstruction_loss_tracker = keras.metrics.Mean(name="reconstruction_loss")
+        self.kl_loss_tracker = keras.metrics.Mean(name="kl_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_loss_tracker, self.reconstruction_loss_tracker, self.kl_loss_tracker]
+
+    def train_step(self, data):
+        import tensorflow as tf
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var = self.encoder(data)
+            z = z_mean + tf.exp(0.5 * z_log_var) * 0.5    # a fixed draw: the runs stay comparable
+            reconstruction = self.decoder(z)
+            reconstruction_loss = tf.reduce_mean(tf.reduce_sum(tf.square(data - reconstruction), axis=1))
+            kl_loss = -0.5 * (1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
+            kl_loss = tf.reduce_mean(tf.reduce_sum(kl_loss, axis=1))
+            total_loss = reconstruction_loss + kl_loss
+        grads = tape.gradient(total_loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.total_loss_tracker.update_state(total_loss)
+        self.reconstruction_loss_tracker.update_state(reconstruction_loss)
+        self.kl_loss_tracker.update_state(kl_loss)
+        return {"loss": self.total_loss_tracker.result(),
+                "reconstruction_loss": self.reconstruction_loss_tracker.result(),
+                "kl_loss": self.kl_loss_tracker.result()}
+
+
+def _vae(seed=4):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    encoder = keras.Model(inputs, [keras.layers.Dense(2)(hidden), keras.layers.Dense(2)(hidden)])
+    code = keras.Input((2,))
+    decoder = keras.Model(code, keras.layers.Dense(5)(keras.layers.Dense(8, activation="relu")(code)))
+    model = VAE(encoder, decoder)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    return model
+
+
+def test_a_vae_with_its_own_train_step_and_trackers_reports_what_keras_reports(cpu_devices):
+    # Before issue 44: refused with "No loss to compute ... Provide a `loss` argument in `compile()`".
+    x, _ = _data()
+    plain = _vae()
+    plain_history = plain.fit(x, batch_size=G, epochs=3, shuffle=False, verbose=0)
+    model = use_sma(_vae(), four_learners(cpu_devices), algorithm="ssgd")
+    history = model.fit(x, batch_size=G, epochs=3, shuffle=False, verbose=0)
+    assert set(history.history) == {"loss", "reconstruction_loss", "kl_loss"}
+    for key in history.history:
+        np.testing.assert_allclose(history.history[key], plain_history.history[key], rtol=1e-5, err_msg=key)
+    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    # Under SMA the learners differ, and the trackers still follow the objective down.
+    sma = use_sma(_vae(), four_learners(cpu_devices))
+    sma_history = sma.fit(x, batch_size=G, epochs=3, shuffle=False, verbose=0)
+    assert sma_history.history["loss"][-1] < sma_history.history["loss"][0]
+    assert sma_history.history["kl_loss"][0] > 0
+
+
+class TwoOptimizers(keras.Model):
+    """A GAN's shape: its train_step steps a second optimizer of its own."""
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.other_optimizer = keras.optimizers.SGD(0.1)
+
+    def train_step(self, data):
+        import tensorflow as tf
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.other_optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_train_step_that_drives_another_optimizer_is_refused_in_one_line(cpu_devices):
+    x, y = _data(G)
+    model = _functional(TwoOptimizers)
+    use_sma(model, four_learners(cpu_devices))
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError) as refused:
+        model.fit(x, y, batch_size=G, epochs=1, verbose=0)
+    message = str(refused.value)
+    assert message.startswith("TwoOptimizers's train_step applies gradients with an optimizer other than "
+                              "model.optimizer (SGD "), message
+    assert "train a model with several optimizers (a GAN's) without use_sma" in message and "\n" not in message
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))

@@ -26,6 +26,7 @@ from crossbow_tf.engine.replicated import ReplicatedLearners
 from crossbow_tf.errors import DamagedFile
 from crossbow_tf.keras import data as data_lib
 from crossbow_tf import training_hooks as hooks
+from crossbow_tf.keras.user_step import UserTrainStep
 from crossbow_tf.keras.structure import CompiledLoss, OverriddenLoss, Packer, PackedModel, check_compiled_loss
 
 STATE_SUFFIX = ".crossbow.npz"
@@ -301,6 +302,8 @@ class CrossbowTraining:
         self.strategy = strategy
         # A compute_loss of the model's own is its objective, for every learner (crossbow_tf/training_hooks.py).
         self.loss = OverriddenLoss(model) if hooks.overrides(type(model), "compute_loss") else CompiledLoss(model)
+        # A train_step of the model's own runs once per learner instead of the engine's loss and gradient.
+        self.user_step = hooks.overrides(type(model), "train_step")
         self.per_learner_batch = per_learner_batch
         self._engine_options = dict(jit_compile=jit_compile, **({} if learners is None else {"learners": learners}))
         # The learners' Keras optimizer (None: the rule's own momentum SGD, from a plain SGD).
@@ -342,10 +345,16 @@ class CrossbowTraining:
         if self.engine is not None:
             return
         model = self.model
-        if not model.built:
+        # Keras's TensorFlow trainer builds a model with a train_step of its own only by running that
+        # step (keras-io's VAE has no call): here its layers alone must be built.
+        unbuilt = (any(not layer.built for layer in model._flatten_layers(include_self=False)) if self.user_step
+                   else not model.built)
+        if unbuilt:
             batch = first_batch() if callable(first_batch) else first_batch
             # Keras's own build from a data batch (what fit runs under a tf.distribute strategy).
             model._symbolic_build(data_batch=batch)
+        elif not model.built:
+            model.built = True   # its layers hold every weight; its own step never calls it
         if not model.trainable_variables:
             raise ValueError(f"model {model.name!r} has no trainable weights")
         self._build_engine()
@@ -361,8 +370,8 @@ class CrossbowTraining:
         model = self.model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         first = next(leaf for leaf in tree.flatten(x) if leaf is not None)
-        own_loss = isinstance(self.loss, OverriddenLoss)
-        if own_loss:
+        own_loss = isinstance(self.loss, OverriddenLoss) or self.user_step
+        if isinstance(self.loss, OverriddenLoss):
             self.loss.targets_given = y is not None
         if y is None:
             if self.loss.has_loss and not own_loss:
@@ -382,7 +391,7 @@ class CrossbowTraining:
         pad = lambda structure: tree.map_structure(lambda t: tf.gather(t, index), structure)  # noqa: E731
         x_pad, y_pad = pad(x), pad(y_targets)
         mask = tf.cast(tf.range(global_batch) < n, tf.float32)
-        self._prepare(x_pad, y_pad)
+        self._prepare(x_pad, y_pad, targets_given=y is not None)
         weights = None
         targets = y_pad
         if sample_weight is not None:
@@ -406,6 +415,8 @@ class CrossbowTraining:
         self.engine.write_center_to_model()
         self._scale_to_optimizer()
         model.optimizer.iterations.assign_add(1)
+        if self.user_step:   # fit shows what the model's own train_step returned, as in Keras
+            return self.engine.learner_computation.read_logs()
 
         if self._packers is not None:
             predictions = self._packers[2].unpack(predictions)
@@ -440,9 +451,15 @@ class CrossbowTraining:
             raise ValueError("train_on_batch needs a batch of known size")
         return self.num_learners * math.ceil(n / self.num_learners)
 
-    def _prepare(self, x, y):
+    def _prepare(self, x, y, targets_given=True):
         """Resolves the loss structure (and packing of nested inputs and outputs) once, at the first trace."""
         if self._prepared:
+            return
+        if self.user_step:
+            input_packer = Packer(x) if tree.is_nested(x) else None
+            self._packers = None if input_packer is None else (input_packer, None, None)
+            self.engine.run_learners_through(UserTrainStep(self.model, self.loss, input_packer, targets_given))
+            self._prepared = True
             return
         spec = tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype), x)
         y_pred = self.model.compute_output_spec(spec)
