@@ -370,3 +370,12 @@ def test_a_train_step_that_drives_another_optimizer_is_refused_in_one_line(cpu_d
                               "model.optimizer (SGD "), message
     assert "train a model with several optimizers (a GAN's) without use_sma" in message and "\n" not in message
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_an_own_train_step_under_loss_scaling_is_refused_before_training(cpu_devices):
+    model = _custom_fit()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"^CustomFit overrides train_step, and its LossScaleOptimizer "
+                                         r"\(mixed_float16\) scales a loss use_sma cannot see"):
+        use_sma(model, four_learners(cpu_devices))

@@ -36,6 +36,12 @@ NLP_SCRIPTS = ("text_classification_with_transformer", "bidirectional_lstm_imdb"
 # form: 256 reviews of at most 40 ids, 1 epoch; --require-fused exits 1 exactly when an SMA run
 # logged the engine's "learners run replicated" notice.
 NLP_RUN = ["--short", "--scripts", *NLP_SCRIPTS, "--require-fused"]
+# keras-io's examples with training logic of their own (issue 44): "Customizing what happens in fit()"
+# (train_step, sample_weight, test_step; its GAN, refused), knowledge distillation (compute_loss) and the
+# VAE (train_step and trackers), short form; the tool's exit code checks SMA within 3 points of plain
+# Keras's accuracy, or within 5% of its final losses where there is no accuracy.
+HOOK_SCRIPTS = ("custom_train_step", "knowledge_distillation", "variational_autoencoder")
+HOOKS_RUN = ["--short", "--scripts", *HOOK_SCRIPTS, "--require-within", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +52,15 @@ def tool_runs():
     the two instead of two); each run's exit code and output are its own, split at the line the
     helper prints after each run."""
     proc = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "keras_io_runs.py"),
-                           json.dumps([CLASSIFIER_RUN, NLP_RUN])],
+                           json.dumps([CLASSIFIER_RUN, NLP_RUN, HOOKS_RUN])],
                           capture_output=True, text=True, timeout=1200, cwd=ROOT,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs, errs = split_runs(proc.stdout), split_runs(proc.stderr)
-    assert len(outs) == len(errs) == 2, proc.stderr[-3000:]
+    assert len(outs) == len(errs) == 3, proc.stderr[-3000:]
     assert [code for code, _ in outs] == [code for code, _ in errs]
     return {name: subprocess.CompletedProcess(name, code, out, err)
-            for name, (code, out), (_, err) in zip(("classifiers", "nlp"), outs, errs, strict=True)}
+            for name, (code, out), (_, err) in zip(("classifiers", "nlp", "hooks"), outs, errs, strict=True)}
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +161,28 @@ def test_synthetic_imdb_has_keras_imdb_conventions_and_a_learnable_rule():
     (whole, labels), _ = load_synthetic_imdb(num_words=1000, seed=3, train_size=300, test_size=1)
     votes = [sum(w in positive for w in r) > sum(w in negative for w in r) for r in whole]
     assert np.mean(np.array(votes) == (labels == 1)) > 0.95
+
+
+@pytest.fixture(scope="module")
+def hook_runs(tool_runs):
+    proc = tool_runs["hooks"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SMA is within 3 points of plain Keras on every classifier" in proc.stdout
+    return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
+
+
+@pytest.mark.parametrize("name", HOOK_SCRIPTS)
+def test_examples_with_their_own_training_logic_run_every_step_with_sma(hook_runs, name):
+    plain, sma = hook_runs[name]["plain"], hook_runs[name]["sma"]
+    assert list(plain["outcome"]) == list(sma["outcome"]) and set(plain["outcome"].values()) == {"ok"}
+    refused = {step: outcome for step, outcome in sma["outcome"].items() if outcome != "ok"}
+    assert refused == ({"GAN: two optimizers of its own": refused.get("GAN: two optimizers of its own")}
+                       if name == "custom_train_step" else {}), refused
+    if name == "custom_train_step":
+        assert "applies gradients with an optimizer other than model.optimizer" in refused[
+            "GAN: two optimizers of its own"]
+        # Its own test_step's keys in evaluate, on z.
+        assert set(sma["results"]["evaluate"]) == set(plain["results"]["evaluate"]) == {"loss", "mae"}
+    if name == "variational_autoencoder":
+        assert set(sma["results"]["loss"]) == {"loss"}
+        assert set(sma["results"]["terms"]) == {"reconstruction_loss", "kl_loss"}

@@ -9,6 +9,15 @@
     python tools/keras_io_examples.py --scripts text_classification_with_transformer bidirectional_lstm_imdb \
         --learners-per-device 4 --nlp-reviews 4000 --nlp-maxlen 40 --require-within 3 --require-fused
                                                       # .ci/run's check of issue 26 (the two NLP scripts)
+    python tools/keras_io_examples.py --scripts custom_train_step knowledge_distillation variational_autoencoder \
+        --require-within 3                            # issue 44: training logic of the model's own
+
+The last three (keras-io's guides/custom_train_step_in_tensorflow.py, examples/vision/knowledge_distillation.py
+and examples/generative/vae.py, in their Keras 3 forms) override train_step, compute_loss and test_step;
+the guide's GAN, whose train_step steps two optimizers of its own, is refused by use_sma by design, and
+--require-within checks that it is, in one line. Where a script has no accuracy (the guide's random
+regression, the VAE) --require-within compares the final training losses: SMA's at most --loss-within
+percent (default 5) above plain Keras's.
 
 The scripts are keras-team/keras-io's examples/vision/mnist_convnet.py,
 examples/keras_recipes/antirectifier.py, guides/writing_your_own_callbacks.py and
@@ -700,6 +709,319 @@ def bidirectional_lstm_imdb(sma, step):
         step.accuracy["test"] = model.evaluate(x_val, y_val, verbose=0)[1]
 
 
+# ---- Keras hooks of the model's own (issue 44): train_step, compute_loss, test_step ----------------
+# Transcribed from keras-io's guides/custom_train_step_in_tensorflow.py ("Customizing what happens in
+# fit()"), examples/vision/knowledge_distillation.py and examples/generative/vae.py (their Keras 3
+# forms), on the guide's own random regression data and the embedded digits.
+def _custom_fit_data(rng):
+    return rng.random((1000, 32)), rng.random((1000, 1)), rng.random((1000, 1))
+
+
+def _dense_regression(cls):
+    inputs = keras.Input(shape=(32,))
+    return cls(inputs, keras.layers.Dense(1)(inputs))
+
+
+def _final_loss(step, name, history, key="loss", checked=True):
+    """Records the last epoch's KEY of HISTORY as NAME: a loss --loss-within compares (CHECKED), or a
+    term of one that is only reported."""
+    step.accuracy.setdefault("loss" if checked else "terms", {})[name] = float(history.history[key][-1])
+
+
+class FitWithOwnStep(keras.Model):
+    """The guide's first example: the compiled loss through self.compute_loss, the compiled metrics."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        trainable_vars = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, trainable_vars), trainable_vars)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class FitLowerLevel(keras.Model):
+    """The guide's "going lower-level": its own loss and trackers, compiled with an optimizer only."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+        self.loss_fn = keras.losses.MeanSquaredError()
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_fn(y, y_pred)
+        trainable_vars = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, trainable_vars), trainable_vars)
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+class FitWeighted(keras.Model):
+    """The guide's sample_weight section: the step unpacks a third element when fit passes one."""
+
+    def train_step(self, data):
+        if len(data) == 3:
+            x, y, sample_weight = data
+        else:
+            sample_weight = None
+            x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+        trainable_vars = self.trainable_variables
+        self.optimizer.apply(tape.gradient(loss, trainable_vars), trainable_vars)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred, sample_weight=sample_weight)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class EvaluateWithOwnStep(FitWithOwnStep):
+    """The guide's own evaluation step (here on a model that trains with its own step too)."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class GAN(keras.Model):
+    """The guide's end-to-end GAN, in small: one optimizer each for the discriminator and the generator."""
+
+    def __init__(self, discriminator, generator, latent_dim):
+        super().__init__()
+        self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+    def train_step(self, real_images):
+        batch_size = tf.shape(real_images)[0]
+        latent = keras.random.normal(shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+        combined = tf.concat([self.generator(latent), real_images], axis=0)
+        labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(combined))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
+        latent = keras.random.normal(shape=(batch_size, self.latent_dim), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(tf.zeros((batch_size, 1)), self.discriminator(self.generator(latent)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply(grads, self.generator.trainable_weights)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+def custom_train_step(sma, step):
+    rng = np.random.default_rng(0)
+    x, y, sw = _custom_fit_data(rng)
+    epochs = 1 if step.short else 3
+    with step("train_step with compute_loss and compiled metrics"):
+        model = _dense_regression(FitWithOwnStep)
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        model = sma(model)
+        _final_loss(step, "train_step", model.fit(x, y, epochs=epochs, verbose=0))
+    with step("lower-level: own loss and trackers, no compiled loss"):
+        model = _dense_regression(FitLowerLevel)
+        model.compile(optimizer="adam")
+        model = sma(model)
+        _final_loss(step, "lower-level", model.fit(x, y, epochs=1 if step.short else 5, verbose=0))
+    with step("sample_weight through the own train_step"):
+        model = _dense_regression(FitWeighted)
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        model = sma(model)
+        _final_loss(step, "sample_weight", model.fit(x, y, sample_weight=sw, epochs=epochs, verbose=0))
+    with step("own test_step in evaluate"):
+        model = _dense_regression(EvaluateWithOwnStep)
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        model = sma(model)
+        model.fit(x, y, epochs=1, verbose=0)
+        step.accuracy["evaluate"] = model.evaluate(x, y, verbose=0, return_dict=True)
+    with step(GAN_STEP):
+        discriminator = keras.Sequential([
+            keras.Input(shape=(28, 28, 1)), layers.Conv2D(8, (3, 3), strides=(2, 2), padding="same"),
+            layers.LeakyReLU(negative_slope=0.2), layers.GlobalMaxPooling2D(), layers.Dense(1)], name="discriminator")
+        generator = keras.Sequential([
+            keras.Input(shape=(8,)), layers.Dense(7 * 7 * 8), layers.LeakyReLU(negative_slope=0.2),
+            layers.Reshape((7, 7, 8)), layers.Conv2DTranspose(8, (4, 4), strides=(4, 4), padding="same"),
+            layers.Conv2D(1, (3, 3), padding="same", activation="sigmoid")], name="generator")
+        gan = GAN(discriminator=discriminator, generator=generator, latent_dim=8)
+        gan.compile(d_optimizer=keras.optimizers.Adam(learning_rate=0.0003),
+                    g_optimizer=keras.optimizers.Adam(learning_rate=0.0003),
+                    loss_fn=keras.losses.BinaryCrossentropy(from_logits=True))
+        gan = sma(gan)
+        (digits, _), _ = load_embedded_mnist()
+        gan.fit(tf.data.Dataset.from_tensor_slices(digits[:256]).batch(64), epochs=1, verbose=0)
+
+
+# The step use_sma refuses by design, and the words its refusal must hold (crossbow_tf/training_hooks.py).
+GAN_STEP = "GAN: two optimizers of its own"
+EXPECTED_REFUSALS = {GAN_STEP: "optimizer other than model.optimizer"}
+
+
+class Distiller(keras.Model):
+    """keras-io's knowledge distillation in its Keras 3 form: the objective in compute_loss."""
+
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.teacher, self.student = teacher, student
+
+    def compile(self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha=0.1, temperature=3):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn, self.distillation_loss_fn = student_loss_fn, distillation_loss_fn
+        self.alpha, self.temperature = alpha, temperature
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        teacher_pred = self.teacher(x, training=False)
+        student_loss = self.student_loss_fn(y, y_pred)
+        distillation_loss = self.distillation_loss_fn(
+            keras.ops.softmax(teacher_pred / self.temperature, axis=1),
+            keras.ops.softmax(y_pred / self.temperature, axis=1)) * (self.temperature ** 2)
+        return self.alpha * student_loss + (1 - self.alpha) * distillation_loss
+
+    def call(self, x):
+        return self.student(x)
+
+
+def _conv_classifier(width, name):
+    return keras.Sequential([
+        keras.Input(shape=(28, 28, 1)),
+        layers.Conv2D(width, (3, 3), strides=(2, 2), padding="same"),
+        layers.LeakyReLU(negative_slope=0.2),
+        layers.MaxPooling2D(pool_size=(2, 2), strides=(1, 1), padding="same"),
+        layers.Conv2D(2 * width, (3, 3), strides=(2, 2), padding="same"),
+        layers.Flatten(),
+        layers.Dense(10)], name=name)
+
+
+def knowledge_distillation(sma, step):
+    (x_train, y_train), (x_test, y_test) = load_embedded_mnist()
+    if step.short:
+        x_train, y_train = step.cut(x_train, y_train)
+    teacher, student = _conv_classifier(64, "teacher"), _conv_classifier(16, "student")
+    with step("train the teacher (plain Keras in both runs)"):
+        teacher.compile(optimizer=keras.optimizers.Adam(),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        metrics=[keras.metrics.SparseCategoricalAccuracy()])
+        teacher.fit(x_train, y_train, epochs=1 if step.short else 2, verbose=0)
+    with step("distill (compute_loss of its own)"):
+        distiller = Distiller(student=student, teacher=teacher)
+        distiller.compile(optimizer=keras.optimizers.Adam(), metrics=[keras.metrics.SparseCategoricalAccuracy()],
+                          student_loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          distillation_loss_fn=keras.losses.KLDivergence(), alpha=0.1, temperature=10)
+        distiller = sma(distiller)
+        distiller.fit(x_train, y_train, epochs=1 if step.short else 3, verbose=0)
+    with step("evaluate the student"):
+        step.accuracy["test"] = distiller.evaluate(x_test, y_test, verbose=0)[1]
+
+
+class Sampling(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, inputs):
+        z_mean, z_log_var = inputs
+        epsilon = keras.random.normal(shape=keras.ops.shape(z_mean), seed=self.seed_generator)
+        return z_mean + keras.ops.exp(0.5 * z_log_var) * epsilon
+
+
+class VAE(keras.Model):
+    """keras-io's variational autoencoder: its own train_step, its own trackers, no call."""
+
+    def __init__(self, encoder, decoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder, self.decoder = encoder, decoder
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+        self.reconstruction_loss_tracker = keras.metrics.Mean(name="reconstruction_loss")
+        self.kl_loss_tracker = keras.metrics.Mean(name="kl_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_loss_tracker, self.reconstruction_loss_tracker, self.kl_loss_tracker]
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var, z = self.encoder(data)
+            reconstruction = self.decoder(z)
+            reconstruction_loss = keras.ops.mean(keras.ops.sum(
+                keras.losses.binary_crossentropy(data, reconstruction), axis=(1, 2)))
+            kl_loss = -0.5 * (1 + z_log_var - keras.ops.square(z_mean) - keras.ops.exp(z_log_var))
+            kl_loss = keras.ops.mean(keras.ops.sum(kl_loss, axis=1))
+            total_loss = reconstruction_loss + kl_loss
+        grads = tape.gradient(total_loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.total_loss_tracker.update_state(total_loss)
+        self.reconstruction_loss_tracker.update_state(reconstruction_loss)
+        self.kl_loss_tracker.update_state(kl_loss)
+        return {"loss": self.total_loss_tracker.result(),
+                "reconstruction_loss": self.reconstruction_loss_tracker.result(),
+                "kl_loss": self.kl_loss_tracker.result()}
+
+
+def variational_autoencoder(sma, step):
+    latent_dim = 2
+    with step("build"):
+        encoder_inputs = keras.Input(shape=(28, 28, 1))
+        x = layers.Conv2D(32, 3, activation="relu", strides=2, padding="same")(encoder_inputs)
+        x = layers.Conv2D(64, 3, activation="relu", strides=2, padding="same")(x)
+        x = layers.Dense(16, activation="relu")(layers.Flatten()(x))
+        z_mean = layers.Dense(latent_dim, name="z_mean")(x)
+        z_log_var = layers.Dense(latent_dim, name="z_log_var")(x)
+        encoder = keras.Model(encoder_inputs, [z_mean, z_log_var, Sampling()([z_mean, z_log_var])], name="encoder")
+        latent_inputs = keras.Input(shape=(latent_dim,))
+        x = layers.Reshape((7, 7, 64))(layers.Dense(7 * 7 * 64, activation="relu")(latent_inputs))
+        x = layers.Conv2DTranspose(64, 3, activation="relu", strides=2, padding="same")(x)
+        x = layers.Conv2DTranspose(32, 3, activation="relu", strides=2, padding="same")(x)
+        decoder = keras.Model(latent_inputs, layers.Conv2DTranspose(1, 3, activation="sigmoid", padding="same")(x),
+                              name="decoder")
+    (x_train, _), (x_test, _) = load_embedded_mnist()
+    digits = np.concatenate([x_train, x_test])
+    if step.short:
+        digits = digits[:SHORT_FORM_EXAMPLES]
+    with step("compile and fit (train_step of its own)"):
+        vae = VAE(encoder, decoder)
+        vae.compile(optimizer=keras.optimizers.Adam())
+        vae = sma(vae)
+        history = vae.fit(digits, epochs=1 if step.short else 5, batch_size=128, verbose=0)
+        _final_loss(step, "loss", history)
+        for key in ("reconstruction_loss", "kl_loss"):
+            _final_loss(step, key, history, key, checked=False)
+
+
 SCRIPTS = {
     "mnist_convnet": lambda sma, step, workdir: mnist_convnet(sma, step),
     "antirectifier": lambda sma, step, workdir: antirectifier(sma, step),
@@ -707,6 +1029,9 @@ SCRIPTS = {
     "training_with_built_in_methods": training_with_built_in_methods,
     "text_classification_with_transformer": lambda sma, step, workdir: text_classification_with_transformer(sma, step),
     "bidirectional_lstm_imdb": lambda sma, step, workdir: bidirectional_lstm_imdb(sma, step),
+    "custom_train_step": lambda sma, step, workdir: custom_train_step(sma, step),
+    "knowledge_distillation": lambda sma, step, workdir: knowledge_distillation(sma, step),
+    "variational_autoencoder": lambda sma, step, workdir: variational_autoencoder(sma, step),
 }
 # The scripts the default run takes: the two NLP scripts (issue 26) run when named, their
 # replicated form being minutes long.
@@ -784,6 +1109,9 @@ def main(argv=None):
     p.add_argument("--require-within", type=float, metavar="POINTS",
                    help="exit 1 unless every step that runs in plain Keras runs with SMA and SMA's test accuracy "
                         "is at most POINTS below plain Keras's")
+    p.add_argument("--loss-within", type=float, default=5.0, metavar="PERCENT",
+                   help="with --require-within: where a script has no accuracy, SMA's final training losses at "
+                        "most PERCENT above plain Keras's (default 5)")
     p.add_argument("--require-fused", action="store_true",
                    help="exit 1 if the SMA run of any script logged that its learners run replicated")
     p.add_argument("--nlp-reviews", type=_positive, metavar="N",
@@ -812,6 +1140,10 @@ def main(argv=None):
         if "test" in modes["plain"].accuracy:
             print(f"{name}: test accuracy plain Keras {modes['plain'].accuracy['test']:.4f}, "
                   f"SMA {modes['sma'].accuracy['test']:.4f}")
+        for kind in ("loss", "terms"):
+            for key, plain_loss in modes["plain"].accuracy.get(kind, {}).items():
+                print(f"{name}: final training {key} plain Keras {plain_loss:.4f}, "
+                      f"SMA {modes['sma'].accuracy.get(kind, {}).get(key, float('nan')):.4f}")
     for name, modes in results.items():
         notices = modes["sma"].replicated_notices
         print(f"{name}: SMA learners {'ran replicated: ' + notices[0] if notices else 'ran fused (no replicated notice)'}")
@@ -830,7 +1162,13 @@ def main(argv=None):
     for name, modes in results.items():
         plain, sma = modes["plain"], modes["sma"]
         problems += [f"{name}: step {step!r} runs in plain Keras and fails with SMA"
-                     for step, outcome in plain.outcome.items() if outcome == "ok" and sma.outcome.get(step) != "ok"]
+                     for step, outcome in plain.outcome.items()
+                     if outcome == "ok" and sma.outcome.get(step) != "ok" and step not in EXPECTED_REFUSALS]
+        problems += [f"{name}: step {step!r} is not refused as use_sma refuses it ({words!r}): "
+                     f"{sma.outcome.get(step, 'not run')[:200]}"
+                     for step, words in EXPECTED_REFUSALS.items() if step in plain.outcome
+                     and words not in sma.outcome.get(step, "")]
+        problems += _loss_problems(name, plain, sma, args.loss_within)
         if "test" in plain.accuracy and "test" in sma.accuracy:
             gap = 100 * (plain.accuracy["test"] - sma.accuracy["test"])
             if gap > args.require_within:
@@ -844,6 +1182,19 @@ def main(argv=None):
         print(f"keras_io_examples: every step that runs in plain Keras runs with SMA, and SMA is within "
               f"{args.require_within:g} points of plain Keras on every classifier")
     return 1 if problems else 0
+
+
+def _loss_problems(name, plain, sma, percent):
+    """Where a script reports final training losses and no accuracy: SMA's at most PERCENT above plain's."""
+    if "test" in plain.accuracy:
+        return []
+    problems = []
+    for key, plain_loss in plain.accuracy.get("loss", {}).items():
+        ours = sma.accuracy.get("loss", {}).get(key)
+        if ours is None or not ours <= plain_loss + abs(plain_loss) * percent / 100:
+            problems.append(f"{name}: SMA's final training {key} {ours} is more than {percent:g}% above plain "
+                            f"Keras's {plain_loss:.4f}")
+    return problems
 
 
 def _positive(text):

@@ -241,6 +241,9 @@ def use_sma(model, strategy=None, *, algorithm="sma", alpha=None, central_moment
     refused = hooks.refusal(type(model))
     if refused:
         raise ValueError(refused)
+    if loss_scale and hooks.overrides(type(model), "train_step"):
+        raise ValueError(f"{type(model).__name__} overrides train_step, and its LossScaleOptimizer (mixed_float16) "
+                         "scales a loss use_sma cannot see: train it in float32 or mixed_bfloat16 with use_sma")
     detach(model)
     if reset_on_lr_drop not in ("auto", True, False) or not isinstance(reset_on_lr_drop, (str, bool)):
         raise ValueError(f"reset_on_lr_drop must be \"auto\", True or False, got {reset_on_lr_drop!r}")

@@ -96,7 +96,7 @@ class UserTrainStep:
         with captured_gradients(model) as captured:
             logs = flat_logs(type(model).train_step(model, data))
         grads = [captured.get(id(v), tf.zeros_like(v)) for v in model.trainable_variables]
-        new_states = [tf.identity(v.read_value()) for v in model.non_trainable_variables]
+        new_states = [tf.identity(v.value) for v in model.non_trainable_variables]
         return logs, [tf.cast(g, w.dtype) for g, w in zip(grads, weights)], new_states
 
     def _keep_logs(self, logs):

@@ -111,8 +111,8 @@ def build_model(name, input_shape, num_classes):
         # fit in tf_ssgd would run the override, the engine would not: no fair comparison either way.
         raise ConfigError(f"model: {call} returned a {type(model).__name__}, which overrides {' and '.join(own)}: "
                           "crossbow_tf.run and the harness train the config's loss and would drop that logic; "
-                          "train it with use_sma in a script of yours (it honours compute_loss, "
-                          "docs/keras.md)")
+                          "train it with use_sma in a script of yours (it runs compute_loss and "
+                          "train_step per learner, docs/keras.md)")
     if not model.built:
         # A subclassed model without an Input creates its weights in its first call, as in fit;
         # Model.build would mark it built without them.
