@@ -379,3 +379,53 @@ def test_an_own_train_step_under_loss_scaling_is_refused_before_training(cpu_dev
     with pytest.raises(ValueError, match=r"^CustomFit overrides train_step, and its LossScaleOptimizer "
                                          r"\(mixed_float16\) scales a loss use_sma cannot see"):
         use_sma(model, four_learners(cpu_devices))
+
+
+# ------------------------------------------- losses and weights the model owns, with an override
+def test_the_override_with_class_weight_and_sample_weight_equals_keras(cpu_devices):
+    x, y = _data()
+    weights = np.random.default_rng(5).uniform(0.5, 2.0, len(y)).astype("float32")
+    runs = {}
+    for name, fit_args in (("class_weight", dict(class_weight={0: 1.0, 1: 3.0, 2: 0.5})),
+                           ("sample_weight", dict(sample_weight=weights))):
+        plain = _functional(Penalised)
+        plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0, **fit_args)
+        model = use_sma(_functional(Penalised), four_learners(cpu_devices), algorithm="ssgd")
+        history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0, **fit_args)
+        for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5, err_msg=name)
+        runs[name] = model.get_weights()[0]
+    assert not np.allclose(runs["class_weight"], runs["sample_weight"], atol=1e-4)   # the weights mattered
+
+
+def _two_outputs(cls, seed=7):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = cls(inputs, {"label": keras.layers.Dense(3, name="label")(hidden),
+                         "value": keras.layers.Dense(1, name="value")(hidden)})
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "value": "mse"},
+                  loss_weights={"label": 1.0, "value": 0.25})
+    return model
+
+
+class PenalisedOutputs(keras.Model):
+    """Keras's loss over two weighted outputs, plus a term in one of them."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.5 * ops.mean(ops.square(y_pred["value"]))
+
+
+def test_the_override_over_several_weighted_outputs_equals_keras(cpu_devices):
+    x, y = _data()
+    targets = {"label": y, "value": x[:, :1] * 2.0}
+    plain = _two_outputs(PenalisedOutputs)
+    plain_history = plain.fit(x, targets, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    model = use_sma(_two_outputs(PenalisedOutputs), four_learners(cpu_devices), algorithm="ssgd")
+    history = model.fit(x, targets, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
