@@ -263,6 +263,13 @@ def test_command_line_on_two_workers_only_the_chief_writes(tmp_path):
     assert f"k={4 * m} learners (2 workers x 2 device(s) x {m})" in out0
     # The other worker prints nothing on stdout; its lines go to stderr with its prefix.
     assert out1 == ""
+    # Each worker says once what its server exposes (issue 52): on loopback it still binds every interface.
+    for i, err in enumerate((err0, err1)):
+        exposed = [line for line in err.splitlines() if "TensorFlow's server listens on port" in line]
+        assert len(exposed) == 1, err[-2000:]
+        port = json.loads(configs[i])["cluster"]["worker"][i].rsplit(":", 1)[1]
+        assert f"listens on port {port} of every interface of this machine and accepts unauthenticated" in exposed[0]
+        assert "its cluster is on this machine only, but the server binds every interface" in exposed[0]
     assert f"[worker 1] learners per device agreed by the 2 workers: m={m}" in err1
     epoch_lines = [line for line in err1.splitlines() if line.startswith("[worker 1] epoch   1/1")]
     assert len(epoch_lines) == 1

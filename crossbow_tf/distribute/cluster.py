@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from crossbow_tf.distribute.exposure import exposure_line
 from crossbow_tf.errors import CrossbowError
 
 DEFAULT_TIMEOUT = 60.0
@@ -131,6 +132,10 @@ class Cluster:
             raise ClusterError(f"{self.describe(self.worker_index)}: could not start its TensorFlow server: "
                                f"{str(e).splitlines()[0]}") from None
         self.started = True
+        job, i = self.tasks[self.worker_index]
+        addresses = [self.spec.task_address(*task) for task in self.tasks]
+        print(exposure_line(self.describe(self.worker_index), self.spec.task_address(job, i), addresses),
+              file=sys.stderr, flush=True)
         return self
 
     def wait_for_workers(self):
