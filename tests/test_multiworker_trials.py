@@ -213,6 +213,62 @@ def test_a_two_worker_trial_behind_a_bandwidth_limit_in_namespaces_the_harness_m
     assert not [n for n in netns.namespaces() if n.startswith(f"cbn{os.getpid()}x")]   # removed
 
 
+def _stand_in_runner(tmp_path, monkeypatch):
+    stand_in = tmp_path / "python"
+    stand_in.write_text(WORKER_STAND_IN.format(python=sys.executable))
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("STAND_IN_CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("STAND_IN_NETNS", str(tmp_path / "netns"))
+    monkeypatch.delenv("CROSSBOW_NETWORK", raising=False)
+    out = tmp_path / "report"
+    prepare_out_dir(str(out))
+    lines = []
+    runner = Runner(str(out), 1, out=open(os.devnull, "w"), python=str(stand_in))
+    runner.say = lines.append
+    return runner, out, lines
+
+
+def test_a_local_two_worker_trial_runs_in_a_private_namespace_with_only_loopback(tmp_path, monkeypatch):
+    # Issue 52: the workers' TensorFlow servers bind every interface; in a namespace of their own with
+    # only loopback, nobody but the trial's workers reaches them. As root (this machine, CI) the
+    # harness makes one per trial and removes it after.
+    from crossbow_tf.compare import netns
+    runner, out, lines = _stand_in_runner(tmp_path, monkeypatch)
+    record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", "t00_s0", "t00", 0, workers=2), 0.5, 60)
+    assert record.summary is not None, (record.error, lines)
+    seen = (tmp_path / "netns").read_text().splitlines()
+    assert len(seen) == 2 and len(set(seen)) == 1, seen                       # both workers, one namespace
+    inode, interfaces = seen[0].split(" ", 1)
+    assert int(inode) != os.stat("/proc/self/ns/net").st_ino and interfaces == "['lo']", seen
+    configs = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    assert all(h.startswith("127.0.0.1:") for c in configs for h in c["cluster"]["worker"]), configs
+    chief_log = (out / "runs" / "sma" / "t00_s0.log").read_text()
+    assert f"# worker 0 of 2 in cbn{os.getpid()}x" in chief_log and "(a private namespace, loopback only)" in chief_log
+    assert not [line for line in lines if "reachable on every interface" in line], lines
+    assert not [n for n in netns.namespaces() if n.startswith(f"cbn{os.getpid()}x")]   # removed
+
+
+def test_where_the_machine_refuses_namespaces_the_exposure_is_said_once_or_refused(tmp_path, monkeypatch):
+    from crossbow_tf.compare import netns
+
+    class Refused:
+        def __init__(self):
+            raise netns.NetworkError("ip netns add cbn1x1-lo: Operation not permitted")
+    monkeypatch.setattr(netns, "PrivateLoopback", Refused)
+    runner, out, lines = _stand_in_runner(tmp_path, monkeypatch)
+    for trial in ("t00", "t01"):
+        record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", f"{trial}_s0", trial, 0, workers=2), 0.5, 60)
+        assert record.summary is not None, (record.error, lines)
+    notes = [line for line in lines if "reachable on every interface" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: the workers' TensorFlow servers will be reachable on every "
+                                                   "interface of this machine"), lines
+    assert "Operation not permitted" in notes[0] and "CROSSBOW_PRIVATE_WORKERS=require" in notes[0]
+    monkeypatch.setenv("CROSSBOW_PRIVATE_WORKERS", "require")
+    record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", "t02_s0", "t02", 0, workers=2), 0.5, 60)
+    assert record.summary is None and record.code == 2, record
+    assert record.error.startswith("CROSSBOW_PRIVATE_WORKERS=require: the workers' TensorFlow servers"), record.error
+
+
 def test_namespaces_of_a_killed_harness_are_removed_by_the_next(tmp_path):
     from crossbow_tf.compare import netns
     code = ("import time; from crossbow_tf.compare.netns import Network, Limit\n"
@@ -270,6 +326,9 @@ results = args[args.index("--results") + 1]
 config = json.loads(os.environ["TF_CONFIG"])
 with open(os.environ["STAND_IN_CALLS"], "a") as f:
     f.write(os.environ["TF_CONFIG"] + "\\n")
+if os.environ.get("STAND_IN_NETNS"):   # which network namespace it ran in, and what it could reach
+    with open(os.environ["STAND_IN_NETNS"], "a") as f:
+        f.write(f"{{os.stat('/proc/self/ns/net').st_ino}} {{sorted(os.listdir('/sys/class/net'))}}\\n")
 if config["task"]["index"] == 0:
     print("epoch   1/1  test accuracy 0.9000  time   1.00s", flush=True)
     json.dump(dict(method="sma", config={{}}, environment={{}}, num_learners=4, workers=2,

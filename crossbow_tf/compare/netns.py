@@ -158,6 +158,52 @@ class Network:
         self.made = []
 
 
+class PrivateLoopback:
+    """One network namespace with only its loopback, for every worker of a trial that runs on this
+    machine (issue 52): their TensorFlow servers, which bind every interface, can then be reached by
+    nobody but each other. Same naming, removal and stale removal as Network.
+
+        with PrivateLoopback() as net:
+            net.prefix(i)      # ["ip", "netns", "exec", "<the namespace>"], for every worker i
+    """
+
+    addresses = None   # the workers' TF_CONFIG hosts: loopback, as without a namespace
+
+    def __init__(self):
+        _serial[0] += 1
+        self.tag = f"cbn{os.getpid()}x{_serial[0]}"
+        self.made = []
+
+    def name(self, i=0):
+        return f"{self.tag}-lo"
+
+    def prefix(self, i=0):
+        return ["ip", "netns", "exec", self.name()]
+
+    def __enter__(self):
+        remove_stale()
+        try:
+            _run("ip", "netns", "add", self.name())
+            self.made.append(self.name())
+            _run("ip", "netns", "exec", self.name(), "ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    remove = Network.remove
+
+
+EXPOSED_NOTE = ("the workers' TensorFlow servers will be reachable on every interface of this machine while the "
+                "trial runs, without authentication ({why}); run the harness as root to keep them in a private "
+                "network namespace, or set CROSSBOW_PRIVATE_WORKERS=require to refuse such trials "
+                "(docs/multiworker.md#security)")
+
+
 def refusal():
     """None when this machine lets us make namespaces, else why not (one line)."""
     try:

@@ -178,6 +178,7 @@ class Runner:
         self.hosts, self.hosts_error = launch.named_hosts(trials.hosts if trials else None)
         self.launcher = os.environ.get("CROSSBOW_LAUNCHER", launch.DEFAULT_LAUNCHER)
         self.network = self._network(os.environ.get("CROSSBOW_NETWORK"))
+        self._exposed_noted = False
         self.done, self.started = 0, time.time()
         self.durations = []
 
@@ -330,6 +331,22 @@ class Runner:
                      f"{fmt(summary['images_per_second'], 0)} images/s; "
                      f"process {record.duration:.0f}s{self._who(job)}")
 
+    def _private_loopback(self, stack):
+        """(a PrivateLoopback entered on STACK, or None, and a refusal or None) for a trial whose workers
+        all run here: where the machine refuses namespaces, one note per runner that their servers are
+        exposed, or, with CROSSBOW_PRIVATE_WORKERS=require, the trial's refusal."""
+        try:
+            return stack.enter_context(netns.PrivateLoopback()), None
+        except (netns.NetworkError, OSError) as e:
+            why = str(e).strip() or type(e).__name__
+        note = netns.EXPOSED_NOTE.format(why=f"no private network namespace here: {why}")
+        if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
+            return None, f"CROSSBOW_PRIVATE_WORKERS=require: {note}"
+        if not self._exposed_noted:
+            self._exposed_noted = True
+            self.say(f"note: {note}")
+        return None, None
+
     def _limit(self, job):
         """The bandwidth limit JOB's workers run behind (its own, the limits phase's, else the runner's
         CROSSBOW_NETWORK, which is None with hosts); None for loopback or one worker."""
@@ -400,6 +417,10 @@ class Runner:
                 net = stack.enter_context(netns.Network(job.workers, limit)) if limit else None
             except (netns.NetworkError, OSError) as e:   # the machine refused namespaces: a failed trial
                 return 2, f"network namespaces behind {limit.text()}: {e}"
+            if net is None and job.workers > 1 and not self.hosts:
+                net, refused = self._private_loopback(stack)
+                if refused:
+                    return 2, refused
             configs = (launch.tf_configs(job.workers, net.addresses if net else self.hosts) if job.workers > 1
                        else [None])
             processes = []
@@ -413,7 +434,8 @@ class Runner:
                 if load:
                     log.write(f"# load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
                 if tf_config is not None:
-                    where = f" in {net.name(i)} ({limit.describe()})" if net else ""
+                    where = (f" in {net.name(i)} ({limit.describe()})" if limit else
+                             f" in {net.name(i)} (a private namespace, loopback only)" if net else "")
                     log.write(f"# worker {i} of {job.workers}{where}: TF_CONFIG={tf_config}\n")
                 processes.append(launch.start(i, command, dict(env, **own_env), here, log,
                                               slot.cpus if slot is not None else None))
