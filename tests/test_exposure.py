@@ -33,3 +33,30 @@ def test_a_cluster_on_loopback_still_says_the_server_binds_every_interface():
 def test_the_module_does_not_import_tensorflow():
     code = "import sys, crossbow_tf.distribute.exposure; assert 'tensorflow' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
+
+
+def test_a_storage_urls_password_is_never_printed(monkeypatch, tmp_path):
+    # Issue 52: --storage takes a database URL, which may carry a password.
+    import types
+
+    import pytest
+
+    from crossbow_tf.compare import trials
+    from crossbow_tf.errors import ConfigError
+    assert trials.redacted("postgresql://alice:s3cret@db.example:5432/optuna") == \
+        "postgresql://alice:***@db.example:5432/optuna"
+    assert trials.redacted("sqlite:///study.db") == "sqlite:///study.db"
+    assert trials.redacted("journal:runs/study.log") == "journal:runs/study.log"
+    with pytest.raises(ConfigError) as refused:       # a driver not installed, or a form Optuna has not
+        trials.check_storage("nosuchdb+driver://alice:s3cret@db.example/optuna")
+    assert "s3cret" not in str(refused.value) and "alice:***@db.example" in str(refused.value)
+
+    def unreachable(url, heartbeat):
+        raise RuntimeError(f"connection to {url} failed: password authentication failed (s3cret)")
+    monkeypatch.setattr(trials, "check_storage", lambda url: None)
+    monkeypatch.setattr(trials, "open_storage", unreachable)
+    with pytest.raises(ConfigError) as refused:
+        trials.open_given_storage(types.SimpleNamespace(storage="postgresql://alice:s3cret@db.example/optuna",
+                                                        heartbeat=60))
+    assert "s3cret" not in str(refused.value), refused.value
+    assert str(refused.value).startswith("--storage postgresql://alice:***@db.example/optuna: cannot open it:")

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -71,6 +72,20 @@ def default_storage(out_dir):
 STORAGE_FORMS = "sqlite:///FILE, a database URL (postgresql://, mysql://) or journal:FILE"
 
 
+_USER_PASSWORD = re.compile(r"(?P<head>//[^/@:]*:)(?P<password>[^/@]*)@")
+
+
+def _password(url):
+    match = _USER_PASSWORD.search(url)
+    return match.group("password") if match and match.group("password") else None
+
+
+def redacted(url):
+    """URL with the password of its user:password@ part shown as ***, for every line that names it
+    (a database URL may carry one: no error, progress line, log or report prints it)."""
+    return _USER_PASSWORD.sub(lambda m: f"{m.group('head')}***@", url)
+
+
 def check_storage(url):
     """Raises ConfigError (one line naming --storage) unless URL is a storage Optuna can open: its
     form, its database driver and, for a file (SQLite, journal), its folder. Nothing is created."""
@@ -83,12 +98,13 @@ def check_storage(url):
         parsed = make_url(url)
         parsed.get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError):
-        raise ConfigError(f"--storage {url}: not a storage URL ({STORAGE_FORMS})") from None
+        raise ConfigError(f"--storage {redacted(url)}: not a storage URL ({STORAGE_FORMS})") from None
     except ImportError as e:   # a known database whose driver is not installed
-        raise ConfigError(f"--storage {url}: its database driver is not installed ({e.name or e})") from None
+        raise ConfigError(f"--storage {redacted(url)}: its database driver is not installed "
+                          f"({e.name or e})") from None
     if parsed.get_backend_name() == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
-            raise ConfigError(f"--storage {url}: an SQLite storage needs a file (sqlite:///FILE)")
+            raise ConfigError(f"--storage {redacted(url)}: an SQLite storage needs a file (sqlite:///FILE)")
         _check_storage_file(url, parsed.database, makes_folder=False)
 
 
@@ -96,18 +112,18 @@ def _check_storage_file(url, path, makes_folder):
     """The storage file PATH of URL is a file, or one can be created (its folder exists, unless
     MAKES_FOLDER: the nearest existing one is writable)."""
     if not path:
-        raise ConfigError(f"--storage {url}: names no file")
+        raise ConfigError(f"--storage {redacted(url)}: names no file")
     if os.path.isdir(path):
-        raise ConfigError(f"--storage {url}: {path} is a directory; give a file")
+        raise ConfigError(f"--storage {redacted(url)}: {path} is a directory; give a file")
     folder = os.path.dirname(path) or "."
     if makes_folder:
         while not os.path.exists(folder) and os.path.dirname(os.path.abspath(folder)) != os.path.abspath(folder):
             folder = os.path.dirname(os.path.abspath(folder))
     if not os.path.isdir(folder):
         what = "is not a directory" if os.path.exists(folder) else "does not exist"
-        raise ConfigError(f"--storage {url}: the folder {folder} {what}")
+        raise ConfigError(f"--storage {redacted(url)}: the folder {folder} {what}")
     if not os.access(folder, os.W_OK | os.X_OK) and not os.path.exists(path):
-        raise ConfigError(f"--storage {url}: no permission to create a file in {folder}")
+        raise ConfigError(f"--storage {redacted(url)}: no permission to create a file in {folder}")
 
 
 def open_storage(url, heartbeat=DEFAULT_HEARTBEAT):
@@ -561,7 +577,10 @@ def open_given_storage(opts):
         return open_storage(opts.storage, opts.heartbeat)
     except Exception as e:   # noqa: BLE001 - sqlalchemy's and the drivers' errors, as one line
         reason = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--storage {opts.storage}: cannot open it: {reason}") from None
+        password = _password(opts.storage)
+        if password:
+            reason = reason.replace(password, "***")
+        raise ConfigError(f"--storage {redacted(opts.storage)}: cannot open it: {reason}") from None
 
 
 def joins(args):
