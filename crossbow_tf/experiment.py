@@ -225,6 +225,7 @@ def _build_engine(cfg, devices, data, log, resume_point, cluster):
     if resume_point is not None:
         learners_per_device = resume_point[1]["learners_per_device"]   # the tuner's choice is kept
     elif cfg.learners_per_device == "auto":
+        _refuse_tuning_an_own_objective(cfg, data)
         tuning = tune_learners(cfg, devices, data, loss, algorithm, log=log, **engine_kwargs)
         if cluster is not None:
             # Measured on each worker; every worker must build the same step: the smallest m.
@@ -237,7 +238,32 @@ def _build_engine(cfg, devices, data, log, resume_point, cluster):
     # Seeded after tuning, which draws random numbers: the run is the one a fixed m would give.
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    return Engine(model, loss, algorithm, strategy, **engine_kwargs), strategy, tuning
+    return Engine(model, objective(model, loss), algorithm, strategy, **engine_kwargs), strategy, tuning
+
+
+def _refuse_tuning_an_own_objective(cfg, data):
+    from crossbow_tf import training_hooks
+    from crossbow_tf.errors import ConfigError
+    from crossbow_tf.models import is_user_model, resolve_model
+    if not is_user_model(cfg.model):
+        return
+    import keras
+    probe = resolve_model(cfg.model)(tuple(data.input_shape), data.num_classes)
+    if isinstance(probe, keras.Model) and training_hooks.overrides(type(probe), "compute_loss"):
+        raise ConfigError(f"learners_per_device: auto: the tuner measures the engine's own loss, and "
+                          f"{type(probe).__name__} has a compute_loss of its own; give learners_per_device a number")
+
+
+def objective(model, loss):
+    """What MODEL's learners minimise: LOSS, or a compute_loss of the model's own (a user's model file),
+    run per learner as use_sma runs it, with LOSS compiled in for the override's super().compute_loss (as
+    tf_ssgd compiles it for Keras's fit)."""
+    from crossbow_tf import training_hooks
+    if not training_hooks.overrides(type(model), "compute_loss"):
+        return loss
+    from crossbow_tf.keras.structure import OverriddenLoss
+    model.compile(loss=loss)
+    return OverriddenLoss(model)
 
 
 def _schedule(cfg, data, strategy):

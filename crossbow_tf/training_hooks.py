@@ -40,6 +40,9 @@ HOOKS = (
          "call Keras's fit (leave fit to Keras), or train this model without use_sma"),
 )
 BY_NAME = {hook.name: hook for hook in HOOKS}
+# What crossbow_tf.run, its engine methods and the harness take of a user's model file: the engine runs
+# a compute_loss of the model's own per learner, and tf_ssgd's Keras fit runs it as Keras does.
+RUN_PATH_HONOURS = frozenset(hook.name for hook in HOOKS if hook.treatment == HONOURED) | {"compute_loss"}
 
 
 def overrides(model_class, name):

@@ -63,14 +63,14 @@ def _sma_model(devices, **kw):
     return use_sma(model, CrossbowStrategy(devices=devices[:2]), **kw)
 
 
-OWN_LOSS_MODEL = """
+OWN_STEP_MODEL = """
 import keras
-class Doubled(keras.Model):
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        return 2.0 * super().compute_loss(x, y, y_pred, sample_weight, training)
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
 def build(input_shape, num_classes):
     inputs = keras.Input(input_shape)
-    return Doubled(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+    return OwnStep(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
 """
 
 
@@ -191,9 +191,9 @@ CASES = [
     yaml_case("model file: the name is not a function", "model: bad_models.py:NOT_A_FUNCTION\n",
               "NOT_A_FUNCTION is an int, not a function", files={"bad_models.py": "NOT_A_FUNCTION = 3\n"}),
     yaml_case("model file missing", "model: nofile.py:build\n", "model: nofile.py:build: file nofile.py not found"),
-    yaml_case("model file: its class overrides compute_loss", "model: own_loss.py:build\n",
-              "returned a Doubled, which overrides compute_loss: crossbow_tf.run and the harness train the config's "
-              "loss and would drop that logic", files={"own_loss.py": OWN_LOSS_MODEL}),
+    yaml_case("model file: its class overrides train_step", "model: own_step.py:build\n",
+              "returned a OwnStep, which overrides train_step: crossbow_tf.run and the harness run the engine's own "
+              "step and would drop that logic", files={"own_step.py": OWN_STEP_MODEL}),
     yaml_case("model module missing", "model: no_such_module:build\n",
               "model: no_such_module:build: no module 'no_such_module'"),
     # ---- baselines

@@ -49,6 +49,15 @@ class Doubled(keras.Model):
 def own_loss(input_shape, num_classes):
     inputs = keras.Input(input_shape)
     return Doubled(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+def its_twin(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+def own_step(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return OwnStep(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
 '''
 
 USER_FILE = '''
@@ -167,9 +176,9 @@ def test_a_users_model_trains_through_the_engine_and_the_stock_baseline(in_folde
     ("user_models:takes_nothing", "user_models:takes_nothing((28, 28, 1), 10) failed (TypeError:"),
     ("lenett", "model: unknown model 'lenett'"),
     ("user_models:", "expected module:function or path/to/file.py:function"),
-    # Issue 44: its own objective would be dropped by the engine's step, and run by Keras's fit in tf_ssgd.
-    ("user_models:own_loss", "user_models:own_loss((28, 28, 1), 10) returned a Doubled, which overrides "
-                             "compute_loss: crossbow_tf.run and the harness train the config's loss and would drop "
+    # Issue 44: its own step would be dropped by the engine's step, and run by Keras's fit in tf_ssgd.
+    ("user_models:own_step", "user_models:own_step((28, 28, 1), 10) returned a OwnStep, which overrides "
+                             "train_step: crossbow_tf.run and the harness run the engine's own step and would drop "
                              "that logic; train it with use_sma in a script of yours"),
 ])
 def test_a_bad_model_is_one_line_and_exit_2_before_training(in_folder, capsys, spec, message):
@@ -186,7 +195,7 @@ def test_a_bad_model_is_one_line_and_exit_2_before_training(in_folder, capsys, s
 def test_the_baselines_refuse_a_bad_model_alike(in_folder, capsys, main):
     for spec, message in (("no_such_module:build", "no module 'no_such_module'"),
                           ("user_models:returns_a_list", "returned list, not a Keras model"),
-                          ("user_models:own_loss", "returned a Doubled, which overrides compute_loss")):
+                          ("user_models:own_step", "returned a OwnStep, which overrides train_step")):
         cfg = write_config(in_folder / "bad.yaml", model=spec)
         assert main(["--config", cfg, "--results", str(in_folder / "never.json")]) == 2
         assert message in one_error_line(capsys)
@@ -390,3 +399,24 @@ def test_the_example_folder_plans_its_comparison(tmp_path, monkeypatch, capsys):
     planned = capsys.readouterr().out
     assert "sma (sma) t00" in planned and "tf_ssgd (tf_ssgd) t00" in planned
     assert build_model("my_models:build", data.input_shape, data.num_classes).output_shape == (None, 10)
+
+
+@pytest.mark.parametrize("main", [run_main, tf_ssgd.main, crossbow_ssgd.main], ids=["sma", "tf_ssgd", "crossbow_ssgd"])
+def test_a_users_compute_loss_is_the_objective_on_every_side(in_folder, capsys, main):
+    # Issue 44: the engine's methods run the override per learner, tf_ssgd's Keras fit as Keras does;
+    # the twin (the same layers and seed, no override) trains to other weights: the override was run.
+    evaluations = {}
+    for spec in ("user_models:own_loss", "user_models:its_twin"):
+        name = spec.split(":")[1]
+        cfg = write_config(in_folder / f"{name}.yaml", model=spec, learners_per_device=2, batch_size=64)
+        results = in_folder / f"{name}-{main.__module__}.json"
+        assert main(["--config", cfg, "--results", str(results)]) == 0, capsys.readouterr().err
+        evaluations[name] = json.loads(results.read_text())["evaluations"][-1]
+    assert evaluations["own_loss"]["loss"] != pytest.approx(evaluations["its_twin"]["loss"], rel=1e-4)
+
+
+def test_auto_tuning_refuses_a_users_compute_loss_in_one_line(in_folder, capsys):
+    cfg = write_config(in_folder / "tuned.yaml", model="user_models:own_loss", learners_per_device="auto")
+    assert run_main(["--config", cfg, "--results", str(in_folder / "never.json")]) == 2
+    assert "learners_per_device: auto: the tuner measures the engine's own loss, and Doubled has a compute_loss of " \
+           "its own" in one_error_line(capsys)

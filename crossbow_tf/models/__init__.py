@@ -105,14 +105,13 @@ def build_model(name, input_shape, num_classes):
         raise ConfigError(f"model: {call} failed ({type(e).__name__}: {_one_line(e)})") from None
     if not isinstance(model, keras.Model):
         raise ConfigError(f"model: {call} returned {type(model).__name__}, not a Keras model")
-    own = [hook.name for hook in hooks.overridden(type(model)) if hook.treatment != hooks.HONOURED]
+    own = [hook.name for hook in hooks.overridden(type(model)) if hook.name not in hooks.RUN_PATH_HONOURS]
     if own:
-        # The runs and the baselines train the config's loss with the engine's step on every side; Keras's
-        # fit in tf_ssgd would run the override, the engine would not: no fair comparison either way.
+        # The engine's step would drop that logic while Keras's fit in tf_ssgd ran it: no fair comparison.
         raise ConfigError(f"model: {call} returned a {type(model).__name__}, which overrides {' and '.join(own)}: "
-                          "crossbow_tf.run and the harness train the config's loss and would drop that logic; "
-                          "train it with use_sma in a script of yours (it runs compute_loss and "
-                          "train_step per learner, docs/keras.md)")
+                          "crossbow_tf.run and the harness run the engine's own step and would drop that logic; "
+                          "train it with use_sma in a script of yours (it runs train_step per learner, "
+                          "docs/keras.md)")
     if not model.built:
         # A subclassed model without an Input creates its weights in its first call, as in fit;
         # Model.build would mark it built without them.
