@@ -123,7 +123,9 @@ def test_onednn_without_bfloat16_computes_bfloat16_through_float32():
     chosen = choices({"ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert chosen["float32"] == "float32 grouped grouped: None" and chosen["float32-dilated"] == "float32-dilated grouped"
     assert chosen["bfloat16"].startswith("bfloat16 grouped-float32 grouped: ")
-    assert "primitive descriptor" in chosen["bfloat16"]
+    # On an AVX-512 CPU the capped oneDNN fails to make the primitive; on a CPU without AVX-512 TensorFlow
+    # hands bfloat16 to its Eigen kernels, which have no grouped gradient.
+    assert "primitive descriptor" in chosen["bfloat16"] or "grouped convolutions" in chosen["bfloat16"]
 
 
 def test_a_forced_form_is_used_and_one_that_does_not_compute_is_refused(monkeypatch):
