@@ -142,20 +142,18 @@ def replicated_bfloat16():
 
 # The forms a CPU without AVX-512 takes (crossbow_tf/engine/conv_forms.py), forced here whatever this CPU
 # is: the fused learners with each form compute what Keras's own layers compute per learner (issue 43).
-@pytest.mark.parametrize("policy, form", [("float32", "patches"), ("float32", "per-learner"),
-                                          ("mixed_bfloat16", "grouped-float32"), ("mixed_bfloat16", "patches"),
-                                          ("mixed_bfloat16", "per-learner")])
-def test_each_convolution_form_trains_as_the_replicated_learners(cpu_devices, float32_runs, replicated_bfloat16,
-                                                                  policy, form):
+# (Under float32: per-learner, the Eigen kernels' form, against replicated learners in tests/test_fused.py's
+# oneDNN-off run; every form against float64 per learner in tests/test_conv_forms.py.)
+@pytest.mark.parametrize("form", ["grouped-float32", "per-learner", "patches"])
+def test_each_convolution_form_trains_as_the_replicated_learners(cpu_devices, replicated_bfloat16, form):
     from crossbow_tf.engine import conv_forms
     with conv_forms.forcing(form):
-        fused = train(policy, "fused", cpu_devices[:1], RATE, STEPS)
-    assert set(fused.learner_computation.conv_forms) == {policy.split("_")[-1]}
+        fused = train("mixed_bfloat16", "fused", cpu_devices[:1], RATE, STEPS)
+    assert set(fused.learner_computation.conv_forms) == {"bfloat16"}
     assert {chosen for chosen, _ in fused.learner_computation.conv_forms.values()} == {form}
-    replicated = float32_runs["float32", "replicated"] if policy == "float32" else replicated_bfloat16
-    bound = 1e-5 if policy == "float32" else ROUNDING[policy]
-    assert distance(fused.center_weights(), replicated.center_weights()) <= bound
-    assert distance(every_learner(fused), every_learner(replicated)) <= 2 * bound
+    bound = ROUNDING["mixed_bfloat16"]
+    assert distance(fused.center_weights(), replicated_bfloat16.center_weights()) <= bound
+    assert distance(every_learner(fused), every_learner(replicated_bfloat16)) <= 2 * bound
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

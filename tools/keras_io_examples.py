@@ -143,7 +143,11 @@ LEFT_OUT_OF_SHORT_FORM = {"custom Loss class", "custom metric", "tf.data with st
                           "multi-output: loss_weights and a dataset of dicts", "validation dataset", "validation_split",
                           "class_weight", "sample_weight", "dataset with sample weights", "custom loss function",
                           "multi-input, multi-output: lists and dicts", "EarlyStopping", "logs dict",
-                          "early stopping at minimum loss", "add_loss in a layer", "tf.data"}
+                          "early stopping at minimum loss", "add_loss in a layer", "tf.data",
+                          # tests/test_keras_hooks.py compares these with plain Keras in their own right
+                          "lower-level: own loss and trackers, no compiled loss", "own test_step in evaluate"}
+# The short form of the scripts with training logic of their own: this many examples (rows, digits).
+HOOKS_SHORT_EXAMPLES = 512
 # The short form trains mnist_convnet and antirectifier 1 epoch on this many digits (of 4,000).
 SHORT_FORM_EXAMPLES = 2048
 
@@ -848,28 +852,28 @@ class GAN(keras.Model):
 def custom_train_step(sma, step):
     rng = np.random.default_rng(0)
     x, y, sw = _custom_fit_data(rng)
+    if step.short:
+        x, y, sw = x[:HOOKS_SHORT_EXAMPLES], y[:HOOKS_SHORT_EXAMPLES], sw[:HOOKS_SHORT_EXAMPLES]
     epochs = 1 if step.short else 3
     with step("train_step with compute_loss and compiled metrics"):
         model = _dense_regression(FitWithOwnStep)
         model.compile(optimizer="adam", loss="mse", metrics=["mae"])
         model = sma(model)
         _final_loss(step, "train_step", model.fit(x, y, epochs=epochs, verbose=0))
-    with step("lower-level: own loss and trackers, no compiled loss"):
-        model = _dense_regression(FitLowerLevel)
-        model.compile(optimizer="adam")
-        model = sma(model)
-        _final_loss(step, "lower-level", model.fit(x, y, epochs=1 if step.short else 5, verbose=0))
+    if step.wanted("lower-level: own loss and trackers, no compiled loss"):
+        _lower_level(sma, step, x, y)
     with step("sample_weight through the own train_step"):
         model = _dense_regression(FitWeighted)
         model.compile(optimizer="adam", loss="mse", metrics=["mae"])
         model = sma(model)
         _final_loss(step, "sample_weight", model.fit(x, y, sample_weight=sw, epochs=epochs, verbose=0))
-    with step("own test_step in evaluate"):
-        model = _dense_regression(EvaluateWithOwnStep)
-        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
-        model = sma(model)
-        model.fit(x, y, epochs=1, verbose=0)
-        step.accuracy["evaluate"] = model.evaluate(x, y, verbose=0, return_dict=True)
+    if step.wanted("own test_step in evaluate"):
+        with step("own test_step in evaluate"):
+            model = _dense_regression(EvaluateWithOwnStep)
+            model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+            model = sma(model)
+            model.fit(x, y, epochs=1, verbose=0)
+            step.accuracy["evaluate"] = model.evaluate(x, y, verbose=0, return_dict=True)
     with step(GAN_STEP):
         discriminator = keras.Sequential([
             keras.Input(shape=(28, 28, 1)), layers.Conv2D(8, (3, 3), strides=(2, 2), padding="same"),
@@ -885,6 +889,14 @@ def custom_train_step(sma, step):
         gan = sma(gan)
         (digits, _), _ = load_embedded_mnist()
         gan.fit(tf.data.Dataset.from_tensor_slices(digits[:256]).batch(64), epochs=1, verbose=0)
+
+
+def _lower_level(sma, step, x, y):
+    with step("lower-level: own loss and trackers, no compiled loss"):
+        model = _dense_regression(FitLowerLevel)
+        model.compile(optimizer="adam")
+        model = sma(model)
+        _final_loss(step, "lower-level", model.fit(x, y, epochs=5, verbose=0))
 
 
 # The step use_sma refuses by design, and the words its refusal must hold (crossbow_tf/training_hooks.py).
@@ -930,7 +942,7 @@ def _conv_classifier(width, name):
 def knowledge_distillation(sma, step):
     (x_train, y_train), (x_test, y_test) = load_embedded_mnist()
     if step.short:
-        x_train, y_train = step.cut(x_train, y_train)
+        x_train, y_train = x_train[:HOOKS_SHORT_EXAMPLES], y_train[:HOOKS_SHORT_EXAMPLES]
     teacher, student = _conv_classifier(64, "teacher"), _conv_classifier(16, "student")
     with step("train the teacher (plain Keras in both runs)"):
         teacher.compile(optimizer=keras.optimizers.Adam(),
@@ -1011,7 +1023,7 @@ def variational_autoencoder(sma, step):
     (x_train, _), (x_test, _) = load_embedded_mnist()
     digits = np.concatenate([x_train, x_test])
     if step.short:
-        digits = digits[:SHORT_FORM_EXAMPLES]
+        digits = digits[:HOOKS_SHORT_EXAMPLES]
     with step("compile and fit (train_step of its own)"):
         vae = VAE(encoder, decoder)
         vae.compile(optimizer=keras.optimizers.Adam())
