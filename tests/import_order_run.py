@@ -1,7 +1,8 @@
 """Issue 43's eight variants: a small CNN (Conv2D or Conv1D) under float32 and mixed_bfloat16 trained
 with use_sma's two lines, in a fresh interpreter that imports keras or crossbow_tf first (argv[1]).
 Prints, per variant, the learners' computation and the forms its convolutions took, or the one-line
-refusal before training, and whether the epoch's loss is finite."""
+refusal before training, and whether the epoch's loss is finite; then the convolution forms the probe
+chooses in this process."""
 import sys
 
 if sys.argv[1] == "keras":
@@ -39,3 +40,8 @@ for layer in ("Conv2D", "Conv1D"):
         forms = sorted({form for form, _ in getattr(computation, "conv_forms", {}).values()})
         print(f"{layer} {policy} {type(computation).__name__} {','.join(forms) or '-'} "
               f"{np.isfinite(history.history['loss'][0])}")
+# The probe's choice and why the grouped form does not compute, plain and dilated (tests/test_conv_forms.py).
+from crossbow_tf.engine import conv_forms  # noqa: E402
+for dtype in ("float32", "bfloat16"):
+    print("choice", dtype, conv_forms.choose(dtype, "CPU")[0], "grouped:", conv_forms.why_not("CPU", dtype, "grouped"))
+    print("choice", dtype + "-dilated", conv_forms.choose(dtype, "CPU", dilated=True)[0])

@@ -3,6 +3,7 @@ and gradients against one float64 convolution per learner; the probe's choice on
 kernels there are (oneDNN with AVX-512 here, oneDNN without bfloat16 under ONEDNN_MAX_CPU_ISA=AVX2,
 TensorFlow's Eigen kernels under TF_ENABLE_ONEDNN_OPTS=0, each set before TensorFlow loads, so in a
 fresh interpreter); forcing a form; the one-line refusal where no form computes."""
+import functools
 import os
 import subprocess
 import sys
@@ -88,21 +89,27 @@ def test_learners_do_not_mix_in_the_patches_form():
     assert np.all(grad_k[..., 4:8] == 0)
 
 
-CHOOSE_SCRIPT = """
-import crossbow_tf
-from crossbow_tf.engine import conv_forms
-for dtype in ("float32", "bfloat16"):
-    print(dtype, conv_forms.choose(dtype, "CPU")[0], "grouped:", conv_forms.why_not("CPU", dtype, "grouped"))
-    print(dtype + "-dilated", conv_forms.choose(dtype, "CPU", dilated=True)[0])
-"""
-
-
-def choices(env):
+@functools.cache
+def variant_run(first, emulated):
+    """stdout of tests/import_order_run.py in a fresh interpreter that imports FIRST ("keras" or
+    "crossbow") first, under EMULATED (the environment variables of EMULATE, or none)."""
     inherited = {k: v for k, v in os.environ.items() if k not in ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA")}
-    out = subprocess.run([sys.executable, "-c", CHOOSE_SCRIPT], env=dict(inherited, TF_CPP_MIN_LOG_LEVEL="2", **env),
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "import_order_run.py"), first],
+                         env=dict(inherited, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO, **EMULATE[emulated]),
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
-    return {line.split()[0]: line for line in out.stdout.splitlines()}
+    assert "learners run replicated" not in out.stderr
+    return out.stdout
+
+
+# A CPU without AVX-512, on any CPU: there TensorFlow leaves oneDNN off when keras comes first (its Eigen
+# kernels), and crossbow_tf's import turns it on without bfloat16.
+EMULATE = {None: {}, "eigen": {"TF_ENABLE_ONEDNN_OPTS": "0"}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+def choices(first, emulated):
+    return {line.split()[1]: line.split(" ", 1)[1] for line in variant_run(first, emulated).splitlines()
+            if line.startswith("choice ")}
 
 
 def test_eigen_kernels_compute_no_grouped_gradient_and_the_portable_forms_serve():
@@ -110,7 +117,7 @@ def test_eigen_kernels_compute_no_grouped_gradient_and_the_portable_forms_serve(
     # a script that imports keras first there, TF_ENABLE_ONEDNN_OPTS=0), TensorFlow's own kernels
     # refuse the grouped convolution's gradients in every dtype; the model stays fused all the same:
     # one convolution per learner, and for a dilated one, whose gradient those kernels lack, the patches.
-    chosen = choices({"TF_ENABLE_ONEDNN_OPTS": "0"})
+    chosen = choices("keras", "eigen")
     for dtype in ("float32", "bfloat16"):
         assert chosen[dtype].startswith(f"{dtype} per-learner grouped: "), chosen[dtype]
         assert "grouped convolutions" in chosen[dtype] or "filter_size" in chosen[dtype]
@@ -120,7 +127,7 @@ def test_eigen_kernels_compute_no_grouped_gradient_and_the_portable_forms_serve(
 def test_onednn_without_bfloat16_computes_bfloat16_through_float32():
     # oneDNN capped at AVX2, as on an AMD EPYC without AVX-512: float32 grouped; bfloat16 fails in the
     # forward pass already, so the grouped convolution runs in float32 with casts.
-    chosen = choices({"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    chosen = choices("crossbow", "avx2")
     assert chosen["float32"] == "float32 grouped grouped: None" and chosen["float32-dilated"] == "float32-dilated grouped"
     assert chosen["bfloat16"].startswith("bfloat16 grouped-float32 grouped: ")
     # On an AVX-512 CPU the capped oneDNN fails to make the primitive; on a CPU without AVX-512 TensorFlow
@@ -169,23 +176,15 @@ def test_the_cpu_summary_reads_the_flags():
 EIGEN_FORM = next(f for f in conv_forms.FORMS if f not in (conv_forms.GROUPED, conv_forms.GROUPED_FLOAT32))
 
 
-@pytest.mark.parametrize("first, env, expected", [
-    ("keras", {}, None), ("crossbow", {}, None),       # this CPU's own kernels, whichever it is
-    # A CPU without AVX-512, on any CPU: there TensorFlow leaves oneDNN off when keras comes first, and
-    # crossbow_tf's import turns it on without bfloat16.
-    ("keras", {"TF_ENABLE_ONEDNN_OPTS": "0"}, {"float32": EIGEN_FORM, "mixed_bfloat16": EIGEN_FORM}),
-    ("crossbow", {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"float32": "grouped", "mixed_bfloat16": "grouped-float32"})])
-def test_the_import_order_does_not_decide_whether_a_convolutional_model_is_fused(first, env, expected):
+@pytest.mark.parametrize("first, emulated, expected", [
+    ("keras", None, None), ("crossbow", None, None),       # this CPU's own kernels, whichever it is
+    ("keras", "eigen", {"float32": EIGEN_FORM, "mixed_bfloat16": EIGEN_FORM}),
+    ("crossbow", "avx2", {"float32": "grouped", "mixed_bfloat16": "grouped-float32"})])
+def test_the_import_order_does_not_decide_whether_a_convolutional_model_is_fused(first, emulated, expected):
     # Issue 43's eight variants (Keras or crossbow_tf first x Conv2D / Conv1D x float32 / mixed_bfloat16).
-    inherited = {k: v for k, v in os.environ.items() if k not in ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA")}
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "import_order_run.py"), first],
-                         env=dict(inherited, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO, **env), capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    rows = [line.split() for line in variant_run(first, emulated).splitlines() if not line.startswith("choice ")]
     assert [(layer, policy) for layer, policy, *_ in rows] == [
-        (layer, policy) for layer in ("Conv2D", "Conv1D") for policy in ("float32", "mixed_bfloat16")], out.stdout
+        (layer, policy) for layer in ("Conv2D", "Conv1D") for policy in ("float32", "mixed_bfloat16")], rows
     for layer, policy, computation, forms, finite in rows:
         assert computation == "FusedLearners" and finite == "True", (layer, policy, computation, finite)
         assert forms in conv_forms.FORMS and (expected is None or forms == expected[policy]), (layer, policy, forms)
-    assert "learners run replicated" not in out.stderr
