@@ -158,10 +158,10 @@ class Network:
         self.made = []
 
 
-class PrivateLoopback:
+class PrivateLoopback(Network):
     """One network namespace with only its loopback, for every worker of a trial that runs on this
     machine (issue 52): their TensorFlow servers, which bind every interface, can then be reached by
-    nobody but each other. Same naming, removal and stale removal as Network.
+    nobody but each other. A Network's naming, removal and stale removal.
 
         with PrivateLoopback() as net:
             net.prefix(i)      # ["ip", "netns", "exec", "<the namespace>"], for every worker i
@@ -177,25 +177,9 @@ class PrivateLoopback:
     def name(self, i=0):
         return f"{self.tag}-lo"
 
-    def prefix(self, i=0):
-        return ["ip", "netns", "exec", self.name()]
-
-    def __enter__(self):
-        remove_stale()
-        try:
-            _run("ip", "netns", "add", self.name())
-            self.made.append(self.name())
-            _run("ip", "netns", "exec", self.name(), "ip", "link", "set", "lo", "up")
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.remove()
-        return False
-
-    remove = Network.remove
+    def _make(self):
+        self._netns(self.name())
+        self._in(self.name(), "ip", "link", "set", "lo", "up")
 
 
 EXPOSED_NOTE = ("the workers' TensorFlow servers will be reachable on every interface of this machine while the "
