@@ -76,12 +76,19 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
     """Crossbow's auto-tuning of learners per device for CFG on DEVICES; returns a TuningResult."""
     import keras
 
+    from crossbow_tf import training_hooks
     from crossbow_tf.engine.autotune import autotune_learners
+    from crossbow_tf.errors import ConfigError
     from crossbow_tf.models import build_model
 
     def fresh_model():
         keras.utils.set_random_seed(cfg.seed)
-        return build_model(cfg.model, data.input_shape, data.num_classes)
+        model = build_model(cfg.model, data.input_shape, data.num_classes)
+        if training_hooks.overrides(type(model), "compute_loss"):
+            raise ConfigError(f"learners_per_device: auto: the tuner measures the engine's own loss, and "
+                              f"{type(model).__name__} has a compute_loss of its own; give learners_per_device a "
+                              "number")
+        return model
 
     if algorithm.has_central_loop:
         # The tuner measures images/s only: every m is measured, and the stability guard applies
@@ -225,7 +232,6 @@ def _build_engine(cfg, devices, data, log, resume_point, cluster):
     if resume_point is not None:
         learners_per_device = resume_point[1]["learners_per_device"]   # the tuner's choice is kept
     elif cfg.learners_per_device == "auto":
-        _refuse_tuning_an_own_objective(cfg, data)
         tuning = tune_learners(cfg, devices, data, loss, algorithm, log=log, **engine_kwargs)
         if cluster is not None:
             # Measured on each worker; every worker must build the same step: the smallest m.
@@ -239,19 +245,6 @@ def _build_engine(cfg, devices, data, log, resume_point, cluster):
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     return Engine(model, objective(model, loss), algorithm, strategy, **engine_kwargs), strategy, tuning
-
-
-def _refuse_tuning_an_own_objective(cfg, data):
-    from crossbow_tf import training_hooks
-    from crossbow_tf.errors import ConfigError
-    from crossbow_tf.models import is_user_model, resolve_model
-    if not is_user_model(cfg.model):
-        return
-    import keras
-    probe = resolve_model(cfg.model)(tuple(data.input_shape), data.num_classes)
-    if isinstance(probe, keras.Model) and training_hooks.overrides(type(probe), "compute_loss"):
-        raise ConfigError(f"learners_per_device: auto: the tuner measures the engine's own loss, and "
-                          f"{type(probe).__name__} has a compute_loss of its own; give learners_per_device a number")
 
 
 def objective(model, loss):

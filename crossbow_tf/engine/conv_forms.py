@@ -226,21 +226,23 @@ def choose(dtype, device_type, form=None, dilated=False):
         problems[candidate] = why_not(device_type, dtype, candidate, dilated)
         if problems[candidate] is None:
             return candidate, _why(candidate, dtype, device_type, problems)
-    library = "oneDNN" if onednn_enabled() else "TensorFlow's Eigen kernels (oneDNN is off)"
     raise NoConvolutionForm(
         f"no form of the learners' convolution computes {dtype.name} gradients on {where} ({cpu_summary()}; "
-        f"{library}): {problems[PER_LEARNER]}; train with precision float32, or on a CPU with AVX-512")
+        f"{kernels(device_type)}): {problems[PER_LEARNER]}; train with precision float32, or on a CPU with AVX-512")
+
+
+def kernels(device_type):
+    """The kernel library that computes the learners' convolutions on DEVICE_TYPE in this process."""
+    if device_type != "CPU":
+        return "cuDNN" if device_type == "GPU" else device_type
+    return "oneDNN" if onednn_enabled() else "TensorFlow's Eigen kernels (oneDNN is off in this process)"
 
 
 def _why(form, dtype, device_type, problems):
-    if device_type != "CPU":
-        kernels = "cuDNN" if device_type == "GPU" else device_type
-    else:
-        kernels = "oneDNN" if onednn_enabled() else "TensorFlow's Eigen kernels (oneDNN is off in this process)"
     tried = "; ".join(f"{f} does not ({problem})" for f, problem in problems.items() if problem)
     text = {GROUPED: f"one grouped convolution of all learners in {dtype.name}",
             GROUPED_FLOAT32: f"one grouped convolution of all learners in float32, cast from and to {dtype.name}",
             PATCHES: f"the input's shifted views times every learner's filter, one {dtype.name} einsum",
             PER_LEARNER: f"one {dtype.name} convolution per learner inside the fused computation"}[form]
     summary = f", {cpu_summary()}" if device_type == "CPU" else ""
-    return f"{form}: {text}, computed by {kernels}{summary}" + (f"; {tried}" if tried else "")
+    return f"{form}: {text}, computed by {kernels(device_type)}{summary}" + (f"; {tried}" if tried else "")
