@@ -537,12 +537,18 @@ def fit_on_workers(model, strategy, train_ds, epochs, steps_per_epoch, callbacks
 def evaluate_outside_fit(model, test_ds):
     """(accuracy, mean loss) of MODEL on TEST_DS, computed here (Keras's evaluate is fit's sibling)."""
     import numpy as np
+
+    from crossbow_tf import training_hooks
+    own_loss = training_hooks.overrides(type(model), "compute_loss")   # the test loss, as in Keras's test_step
     correct = total = loss = 0.0
     for x, y in test_ds:
         logits = model(x, training=False)
+        if own_loss:
+            loss += float(model._compute_loss(x=x, y=y, y_pred=logits, training=False)) * len(y)
         y = np.asarray(y)
         correct += float(np.sum(np.argmax(np.asarray(logits), -1) == y))
-        loss += float(np.sum(np.asarray(_per_example_loss(y, logits))))
+        if not own_loss:
+            loss += float(np.sum(np.asarray(_per_example_loss(y, logits))))
         total += len(y)
     return correct / total, loss / total
 

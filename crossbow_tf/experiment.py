@@ -76,19 +76,12 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
     """Crossbow's auto-tuning of learners per device for CFG on DEVICES; returns a TuningResult."""
     import keras
 
-    from crossbow_tf import training_hooks
     from crossbow_tf.engine.autotune import autotune_learners
-    from crossbow_tf.errors import ConfigError
     from crossbow_tf.models import build_model
 
     def fresh_model():
         keras.utils.set_random_seed(cfg.seed)
-        model = build_model(cfg.model, data.input_shape, data.num_classes)
-        if training_hooks.overrides(type(model), "compute_loss"):
-            raise ConfigError(f"learners_per_device: auto: the tuner measures the engine's own loss, and "
-                              f"{type(model).__name__} has a compute_loss of its own; give learners_per_device a "
-                              "number")
-        return model
+        return build_model(cfg.model, data.input_shape, data.num_classes)
 
     if algorithm.has_central_loop:
         # The tuner measures images/s only: every m is measured, and the stability guard applies
@@ -104,7 +97,7 @@ def tune_learners(cfg, devices, data, loss, algorithm, log=print, **engine_kwarg
                                warmup_iterations=t.warmup_iterations, measure_iterations=t.measure_iterations,
                                learning_rate=cfg.learning_rate.base,
                                cross_device_reduction=cfg.devices.cross_device_reduction,
-                               map_fn=data.train_map, seed=cfg.seed, **engine_kwargs)
+                               map_fn=data.train_map, seed=cfg.seed, engine_factory=build_engine, **engine_kwargs)
     log(tuning.summary())
     return tuning
 
@@ -244,19 +237,45 @@ def _build_engine(cfg, devices, data, log, resume_point, cluster):
     # Seeded after tuning, which draws random numbers: the run is the one a fixed m would give.
     keras.utils.set_random_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    return Engine(model, objective(model, loss), algorithm, strategy, **engine_kwargs), strategy, tuning
+    return build_engine(model, loss, algorithm, strategy, **engine_kwargs), strategy, tuning
 
 
-def objective(model, loss):
-    """What MODEL's learners minimise: LOSS, or a compute_loss of the model's own (a user's model file),
-    run per learner as use_sma runs it, with LOSS compiled in for the override's super().compute_loss (as
-    tf_ssgd compiles it for Keras's fit)."""
+def build_engine(model, loss, algorithm, strategy, **engine_kwargs):
+    """The Engine training MODEL on the objective its author wrote (crossbow_tf/training_hooks.py): LOSS;
+    a compute_loss of the model's own, per learner as use_sma runs it; or the model's own train_step, run
+    per learner as use_sma runs it. The model is compiled as tf_ssgd compiles it for Keras's fit (LOSS, an
+    accuracy metric), so that the override's super() calls and metrics mean what they mean there."""
+    import keras
+
     from crossbow_tf import training_hooks
-    if not training_hooks.overrides(type(model), "compute_loss"):
-        return loss
-    from crossbow_tf.keras.structure import OverriddenLoss
-    model.compile(loss=loss)
-    return OverriddenLoss(model)
+    from crossbow_tf.engine.core import Engine
+    own_step = training_hooks.overrides(type(model), "train_step")
+    own_loss = training_hooks.overrides(type(model), "compute_loss")
+    if not (own_step or own_loss):
+        return Engine(model, loss, algorithm, strategy, **engine_kwargs)
+    from crossbow_tf.engine.replicated import per_example_loss_fn
+    from crossbow_tf.keras.structure import CompiledLoss, OverriddenLoss
+    from crossbow_tf.keras.user_step import UserTrainStep
+    check_own_step(model, loss_scale=engine_kwargs.get("loss_scale", False))
+    # The step's optimizer is asked for each learner's gradient step, never applied: the engine steps.
+    model.compile(optimizer=keras.optimizers.SGD(), loss=loss,
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+    if not own_step:
+        return Engine(model, OverriddenLoss(model), algorithm, strategy, **engine_kwargs)
+    engine = Engine(model, loss, algorithm, strategy, **dict(engine_kwargs, learners="replicated"))
+    engine.run_learners_through(UserTrainStep(model, CompiledLoss(model), own_loss_per_learner=True,
+                                              per_example_loss=per_example_loss_fn(loss)))
+    return engine
+
+
+def check_own_step(model, loss_scale):
+    """Refuses (ConfigError) a model whose own train_step the engine cannot run: under loss scaling
+    (mixed_float16), whose scaled loss is computed inside the user's step."""
+    from crossbow_tf import training_hooks
+    from crossbow_tf.errors import ConfigError
+    if loss_scale and training_hooks.overrides(type(model), "train_step"):
+        raise ConfigError(f"precision: mixed_float16: {type(model).__name__} has a train_step of its own, whose "
+                          "loss the engine cannot scale; use float32 or mixed_bfloat16")
 
 
 def _schedule(cfg, data, strategy):

@@ -105,7 +105,9 @@ def check_data(cfg):
     from crossbow_tf.models import build_model
     data = load_dataset(cfg.data.name, cfg.data.data_dir, path=cfg.data.path)
     config_lib.check_fits_data(cfg, train_size=data.train.size)
-    build_model(cfg.model, data.input_shape, data.num_classes)
+    from crossbow_tf.experiment import check_own_step
+    check_own_step(build_model(cfg.model, data.input_shape, data.num_classes),
+                   loss_scale=cfg.precision == "mixed_float16")
     return data
 
 

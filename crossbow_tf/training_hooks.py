@@ -41,8 +41,9 @@ HOOKS = (
 )
 BY_NAME = {hook.name: hook for hook in HOOKS}
 # What crossbow_tf.run, its engine methods and the harness take of a user's model file: the engine runs
-# a compute_loss of the model's own per learner, and tf_ssgd's Keras fit runs it as Keras does.
-RUN_PATH_HONOURS = frozenset(hook.name for hook in HOOKS if hook.treatment == HONOURED) | {"compute_loss"}
+# a compute_loss or train_step of the model's own per learner (crossbow_tf.experiment.build_engine), and
+# tf_ssgd's Keras fit runs them as Keras does.
+RUN_PATH_HONOURS = frozenset(hook.name for hook in HOOKS if hook.treatment != REFUSED)
 
 
 def overrides(model_class, name):

@@ -63,6 +63,16 @@ def _sma_model(devices, **kw):
     return use_sma(model, CrossbowStrategy(devices=devices[:2]), **kw)
 
 
+OWN_FIT_MODEL = """
+import keras
+class OwnFit(keras.Model):
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **kwargs)
+def build(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return OwnFit(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+"""
+
 OWN_STEP_MODEL = """
 import keras
 class OwnStep(keras.Model):
@@ -191,9 +201,12 @@ CASES = [
     yaml_case("model file: the name is not a function", "model: bad_models.py:NOT_A_FUNCTION\n",
               "NOT_A_FUNCTION is an int, not a function", files={"bad_models.py": "NOT_A_FUNCTION = 3\n"}),
     yaml_case("model file missing", "model: nofile.py:build\n", "model: nofile.py:build: file nofile.py not found"),
-    yaml_case("model file: its class overrides train_step", "model: own_step.py:build\n",
-              "returned a OwnStep, which overrides train_step: crossbow_tf.run and the harness run the engine's own "
-              "step and would drop that logic", files={"own_step.py": OWN_STEP_MODEL}),
+    yaml_case("model file: its class overrides fit", "model: own_fit.py:build\n",
+              "returned a OwnFit, which overrides fit: crossbow_tf.run and the harness run the learners' step "
+              "themselves and would drop that logic", files={"own_fit.py": OWN_FIT_MODEL}),
+    yaml_case("model file: its own train_step under mixed_float16", "model: own_step.py:build\nprecision: mixed_float16\n",
+              "precision: mixed_float16: OwnStep has a train_step of its own, whose loss the engine cannot scale",
+              files={"own_step.py": OWN_STEP_MODEL}),
     yaml_case("model module missing", "model: no_such_module:build\n",
               "model: no_such_module:build: no module 'no_such_module'"),
     # ---- baselines

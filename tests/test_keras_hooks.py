@@ -153,6 +153,25 @@ def test_an_override_that_reads_x_trains_without_targets(cpu_devices):
     np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
 
 
+def test_the_run_paths_evaluations_report_the_models_own_loss_as_keras_evaluate_does():
+    # crossbow_tf.run's evaluation of z: a compute_loss of the model's own is the test loss, as in Keras.
+    import tensorflow as tf
+
+    from crossbow_tf.data.source import Split
+    from crossbow_tf.engine.trainer import Evaluator
+    x, y = _data(50)
+    model = _functional(Penalised)
+    split = Split(tf.data.Dataset.from_tensor_slices((x, y)), len(y))
+    accuracy, loss = Evaluator(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True))(split, 20)
+    keras_says = model.evaluate(x, y, batch_size=50, verbose=0, return_dict=True)
+    assert loss > PENALTY
+    np.testing.assert_allclose(loss, keras_says["loss"], rtol=1e-5)
+    np.testing.assert_allclose(accuracy, np.mean(np.argmax(model.predict(x, verbose=0), -1) == y))
+    # tf_ssgd's evaluation across workers (outside Keras's evaluate) says the same.
+    from baselines.tf_ssgd import evaluate_outside_fit
+    np.testing.assert_allclose(evaluate_outside_fit(model, split.dataset.batch(20)), (accuracy, loss), rtol=1e-5)
+
+
 class OwnEvaluation(keras.Model):
     """Its own test_step and predict_step, each marking what it returns."""
 
@@ -273,6 +292,28 @@ def test_each_learner_steps_with_what_its_own_train_step_applies(cpu_devices):
         plain.fit(x[j * B:(j + 1) * B], y[j * B:(j + 1) * B], batch_size=B, epochs=1, shuffle=False, verbose=0)
         for ours, theirs in zip(learner, plain.get_weights()):
             np.testing.assert_allclose(ours, theirs, atol=1e-5, err_msg=f"learner {j}")
+
+
+def test_a_last_partial_batch_steps_each_learner_on_its_real_rows_alone(cpu_devices):
+    # B + 2 examples for K*B places: learner 0 has B real rows, learner 1 has 2, learners 2 and 3 have only
+    # the padding (repeated real examples), which must neither train nor count in the trackers.
+    x, y = _data(B + 2)
+    initial = _custom_fit().get_weights()
+    model = use_sma(_custom_fit(), four_learners(cpu_devices))
+    history = model.fit(x, y, batch_size=G, epochs=1, shuffle=False, verbose=0)
+    plain_losses = []
+    for j, learner in enumerate(get_training(model).learner_weights()):
+        rows = slice(j * B, min((j + 1) * B, len(x)))
+        if j < 2:
+            plain = _custom_fit()
+            plain_losses.append(plain.fit(x[rows], y[rows], batch_size=B, epochs=1, shuffle=False,
+                                          verbose=0).history["loss"][0])
+            expected = plain.get_weights()
+        else:
+            expected = initial
+        for ours, theirs in zip(learner, expected):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5, err_msg=f"learner {j}")
+    np.testing.assert_allclose(history.history["loss"][0], np.mean(plain_losses), rtol=1e-5)
 
 
 class VAE(keras.Model):

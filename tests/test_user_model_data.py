@@ -52,12 +52,20 @@ def own_loss(input_shape, num_classes):
 def its_twin(input_shape, num_classes):
     inputs = keras.Input(input_shape)
     return keras.Model(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
-class OwnStep(keras.Model):
+class ShiftedLabels(keras.Model):
+    """Its own train_step teaches the next class: a model trained by it is wrong on nearly every example."""
     def train_step(self, data):
-        return super().train_step(data)
+        x, y = data
+        return super().train_step((x, (y + 1) % 10))
 def own_step(input_shape, num_classes):
     inputs = keras.Input(input_shape)
-    return OwnStep(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+    return ShiftedLabels(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+class OwnFit(keras.Model):
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **kwargs)
+def own_fit(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return OwnFit(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
 '''
 
 USER_FILE = '''
@@ -176,10 +184,10 @@ def test_a_users_model_trains_through_the_engine_and_the_stock_baseline(in_folde
     ("user_models:takes_nothing", "user_models:takes_nothing((28, 28, 1), 10) failed (TypeError:"),
     ("lenett", "model: unknown model 'lenett'"),
     ("user_models:", "expected module:function or path/to/file.py:function"),
-    # Issue 44: its own step would be dropped by the engine's step, and run by Keras's fit in tf_ssgd.
-    ("user_models:own_step", "user_models:own_step((28, 28, 1), 10) returned a OwnStep, which overrides "
-                             "train_step: crossbow_tf.run and the harness run the engine's own step and would drop "
-                             "that logic; train it with use_sma in a script of yours"),
+    # Issue 44: its own fit would be run by tf_ssgd's Keras and dropped by the engine's learners.
+    ("user_models:own_fit", "user_models:own_fit((28, 28, 1), 10) returned a OwnFit, which overrides "
+                            "fit: crossbow_tf.run and the harness run the learners' step themselves and would drop "
+                            "that logic"),
 ])
 def test_a_bad_model_is_one_line_and_exit_2_before_training(in_folder, capsys, spec, message):
     cfg = write_config(in_folder / "bad.yaml", model=spec)
@@ -195,7 +203,7 @@ def test_a_bad_model_is_one_line_and_exit_2_before_training(in_folder, capsys, s
 def test_the_baselines_refuse_a_bad_model_alike(in_folder, capsys, main):
     for spec, message in (("no_such_module:build", "no module 'no_such_module'"),
                           ("user_models:returns_a_list", "returned list, not a Keras model"),
-                          ("user_models:own_step", "returned a OwnStep, which overrides train_step")):
+                          ("user_models:own_fit", "returned a OwnFit, which overrides fit")):
         cfg = write_config(in_folder / "bad.yaml", model=spec)
         assert main(["--config", cfg, "--results", str(in_folder / "never.json")]) == 2
         assert message in one_error_line(capsys)
@@ -402,21 +410,40 @@ def test_the_example_folder_plans_its_comparison(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("main", [run_main, tf_ssgd.main, crossbow_ssgd.main], ids=["sma", "tf_ssgd", "crossbow_ssgd"])
-def test_a_users_compute_loss_is_the_objective_on_every_side(in_folder, capsys, main):
-    # Issue 44: the engine's methods run the override per learner, tf_ssgd's Keras fit as Keras does;
-    # the twin (the same layers and seed, no override) trains to other weights: the override was run.
+def test_a_users_compute_loss_and_train_step_are_the_objective_on_every_side(in_folder, capsys, main):
+    # Issue 44: the engine's methods run the overrides per learner, tf_ssgd's Keras fit as Keras does.
+    # Against the twin (the same layers and seed, no override): Doubled's compute_loss trains to other
+    # weights; ShiftedLabels' own train_step teaches the next class, so that its model is wrong on nearly
+    # every test example while the twin learns the digits.
     evaluations = {}
-    for spec in ("user_models:own_loss", "user_models:its_twin"):
-        name = spec.split(":")[1]
-        cfg = write_config(in_folder / f"{name}.yaml", model=spec, learners_per_device=2, batch_size=64)
+    for name in ("own_loss", "own_step", "its_twin"):
+        cfg = write_config(in_folder / f"{name}.yaml", model=f"user_models:{name}", learners_per_device=2,
+                           batch_size=64)
         results = in_folder / f"{name}-{main.__module__}.json"
         assert main(["--config", cfg, "--results", str(results)]) == 0, capsys.readouterr().err
         evaluations[name] = json.loads(results.read_text())["evaluations"][-1]
+        assert np.isfinite(evaluations[name]["loss"])
     assert evaluations["own_loss"]["loss"] != pytest.approx(evaluations["its_twin"]["loss"], rel=1e-4)
+    assert evaluations["its_twin"]["accuracy"] > 0.6 and evaluations["own_step"]["accuracy"] < 0.2, evaluations
 
 
-def test_auto_tuning_refuses_a_users_compute_loss_in_one_line(in_folder, capsys):
-    cfg = write_config(in_folder / "tuned.yaml", model="user_models:own_loss", learners_per_device="auto")
-    assert run_main(["--config", cfg, "--results", str(in_folder / "never.json")]) == 2
-    assert "learners_per_device: auto: the tuner measures the engine's own loss, and Doubled has a compute_loss of " \
-           "its own" in one_error_line(capsys)
+def test_auto_tuning_takes_a_users_compute_loss_and_train_step(in_folder, capsys):
+    # The tuner's throw-away engines run the model's own compute_loss and train_step, as the run's engine.
+    for spec in ("user_models:own_loss", "user_models:own_step"):
+        cfg = write_config(in_folder / "tuned.yaml", model=spec, learners_per_device="auto",
+                           autotune=dict(max_learners_per_device=2, warmup_iterations=1, measure_iterations=2))
+        results = in_folder / f"tuned-{spec.split(':')[1]}.json"
+        assert run_main(["--config", cfg, "--results", str(results)]) == 0, capsys.readouterr().err
+        record = json.loads(results.read_text())
+        assert record["autotune"]["chosen"] in (1, 2) and record["evaluations"], record
+
+
+def test_an_own_train_step_under_loss_scaling_is_refused_before_training(in_folder, capsys):
+    cfg = write_config(in_folder / "scaled.yaml", model="user_models:own_step", precision="mixed_float16")
+    for argv in (["--config", cfg, "--check"], ["--config", cfg, "--results", str(in_folder / "never.json")]):
+        assert run_main(argv) == 2
+        assert ("precision: mixed_float16: ShiftedLabels has a train_step of its own, whose loss the engine cannot "
+                "scale") in one_error_line(capsys)
+    assert not (in_folder / "never.json").exists()
+
+

@@ -151,7 +151,7 @@ def _checked(value, m):
 def measure_throughput(model, loss, algorithm, devices, split, batch_size, learners_per_device, *,
                        warmup_iterations=DEFAULT_WARMUP_ITERATIONS,
                        measure_iterations=DEFAULT_MEASURE_ITERATIONS, learning_rate=0.01,
-                       cross_device_reduction="auto", map_fn=None, seed=0, **engine_kwargs):
+                       cross_device_reduction="auto", map_fn=None, seed=0, engine_factory=None, **engine_kwargs):
     """Median images/s of training with LEARNERS_PER_DEVICE learners on each of DEVICES.
 
     A throw-away Engine trains a fresh copy of MODEL (a built Keras model, cloned with its weights,
@@ -159,7 +159,9 @@ def measure_throughput(model, loss, algorithm, devices, split, batch_size, learn
     WARMUP_ITERATIONS (at least 1) absorb tracing and compilation and are not timed; each of the
     next MEASURE_ITERATIONS is timed alone and the median of their images/s is returned, so that a
     few iterations slowed by other work on the machine do not move the result. ENGINE_KWARGS go to
-    Engine unchanged (jit_compile=..., and whatever else the caller's real Engine is built with).
+    Engine unchanged (jit_compile=..., and whatever else the caller's real Engine is built with);
+    ENGINE_FACTORY, called as Engine is, builds the caller's kind of engine (crossbow_tf.run's: a
+    model's own compute_loss or train_step is its objective).
 
     Raises DoesNotFit when the device runs out of memory.
     """
@@ -177,7 +179,7 @@ def measure_throughput(model, loss, algorithm, devices, split, batch_size, learn
     global_batch = strategy.num_learners * batch_size
     engine = None
     try:
-        engine = Engine(_fresh_copy(model), loss, algorithm, strategy, **engine_kwargs)
+        engine = (engine_factory or Engine)(_fresh_copy(model), loss, algorithm, strategy, **engine_kwargs)
         batches = _real_batches(train_batches, split, global_batch, warmup_iterations + measure_iterations,
                                 seed, map_fn)
         rates = []

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from crossbow_tf import training_hooks
 from crossbow_tf.data.pipeline import eval_batches, iterations_per_epoch, train_batches
 from crossbow_tf.engine import diagnostics
 from crossbow_tf.engine.checkpoint import Progress
@@ -22,11 +23,17 @@ class Evaluator:
     def __init__(self, model, loss):
         self.model = model
         self.per_example_loss = per_example_loss_fn(loss)
+        # A compute_loss of the model's own is its loss in evaluation too, as in Keras's test_step.
+        self.own_loss = training_hooks.overrides(type(model), "compute_loss")
         self._batch = tf.function(self._batch_fn, autograph=False)
 
     def _batch_fn(self, x, y):
         logits = self.model(x, training=False)
-        loss = tf.reduce_sum(self.per_example_loss(y, logits))
+        if self.own_loss:
+            mean = self.model._compute_loss(x=x, y=y, y_pred=logits, training=False)
+            loss = tf.cast(mean, tf.float32) * tf.cast(tf.shape(y)[0], tf.float32)
+        else:
+            loss = tf.reduce_sum(self.per_example_loss(y, logits))
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
                                                  tf.cast(y, tf.int32)), tf.float32))
         return loss, correct

@@ -73,22 +73,33 @@ class UserTrainStep:
 
     fused = False
 
-    def __init__(self, model, compiled_loss, input_packer=None, targets_given=True):
+    def __init__(self, model, compiled_loss, input_packer=None, targets_given=True, own_loss_per_learner=False,
+                 per_example_loss=None):
         self.model = model
         self.loss = compiled_loss            # unpacks the engine's targets: (y, sample_weight, real)
         self.input_packer = input_packer
         self.targets_given = targets_given
+        # crossbow_tf.run's engine wants each learner's own loss, where fit wants its trackers' running
+        # means over the epoch: with this, the trackers start afresh for every learner.
+        self.own_loss_per_learner = own_loss_per_learner
         self.logs = None                     # {name: tf.Variable}: the last step's logs, made at the first trace
-        self.per_example_loss = None
+        self.per_example_loss = per_example_loss   # the evaluator's, in crossbow_tf.run
 
     def _data(self, x, y_in, mask):
         if self.input_packer is not None:
             x = self.input_packer.unpack(x)
         y, sample_weight, _ = self.loss.unpack_targets(y_in)
-        return keras.utils.pack_x_y_sample_weight(x, y if self.targets_given else None, sample_weight)
+        real = mask > 0
+        rows = tf.logical_or(real, tf.logical_not(tf.reduce_any(real)))
+        data = keras.utils.pack_x_y_sample_weight(x, y if self.targets_given else None, sample_weight)
+        return tree.map_structure(lambda t: tf.boolean_mask(t, rows), data), tf.reduce_any(real)
 
-    def _run_learner(self, weights, states, data):
+    def _run_learner(self, weights, states, data, counts):
         model = self.model
+        if self.own_loss_per_learner:
+            for metric in model.metrics:
+                metric.reset_state()
+        trackers = [tf.identity(v.value) for v in model.metrics_variables]
         for variable, value in zip(model.trainable_variables, weights):
             variable.assign(value)
         for variable, value in zip(model.non_trainable_variables, states):
@@ -96,10 +107,14 @@ class UserTrainStep:
         with captured_gradients(model) as captured:
             logs = flat_logs(type(model).train_step(model, data))
         grads = [captured.get(id(v), tf.zeros_like(v)) for v in model.trainable_variables]
-        new_states = [tf.identity(v.value) for v in model.non_trainable_variables]
-        return logs, [tf.cast(g, w.dtype) for g, w in zip(grads, weights)], new_states
+        new_states = [tf.where(counts, v.value, old) for v, old in zip(model.non_trainable_variables, states)]
+        for variable, before in zip(model.metrics_variables, trackers):
+            variable.assign(tf.where(counts, variable.value, before))
+        grads = [tf.where(counts, tf.cast(g, w.dtype), tf.zeros_like(w)) for g, w in zip(grads, weights)]
+        return logs, grads, new_states
 
-    def _keep_logs(self, logs):
+    def _keep_logs(self, logs, counts):
+        """Keeps LOGS of a learner with real rows (COUNTS): the step's logs are the last such learner's."""
         if self.logs is None:
             with tf.init_scope():
                 self.logs = {name: tf.Variable(tf.zeros(tf.convert_to_tensor(value).shape,
@@ -107,7 +122,7 @@ class UserTrainStep:
                                                name=f"crossbow_log_{i}")
                              for i, (name, value) in enumerate(logs.items())}
         for name, value in logs.items():
-            self.logs[name].assign(tf.cast(value, self.logs[name].dtype))
+            self.logs[name].assign(tf.where(counts, tf.cast(value, self.logs[name].dtype), self.logs[name]))
 
     def read_logs(self):
         """The logs the model's train_step returned at the last step, for fit."""
@@ -118,14 +133,14 @@ class UserTrainStep:
             raise ValueError(f"{type(self.model).__name__} has a train_step of its own: use_sma does not scale its "
                              "loss (mixed_float16); train in float32 or mixed_bfloat16")
         m = x.shape[0] if not tree.is_nested(x) else tree.flatten(x)[0].shape[0]
-        losses, grads, new_states, logs = [], [], [], None
+        losses, grads, new_states = [], [], []
         for i in range(m):
-            data = self._data(tree.map_structure(lambda t: t[i], x), y[i], mask[i])
-            logs, grads_i, states_i = self._run_learner([w[i] for w in weights], [s[i] for s in states], data)
-            loss = logs.get("loss", 0.0)
-            losses.append(tf.cast(tf.reshape(loss, []), tf.float32))
+            data, counts = self._data(tree.map_structure(lambda t: t[i], x), y[i], mask[i])
+            logs, grads_i, states_i = self._run_learner([w[i] for w in weights], [s[i] for s in states], data, counts)
+            self._keep_logs(logs, counts)
+            loss = tf.cast(tf.reshape(logs.get("loss", 0.0), []), tf.float32)
+            losses.append(tf.where(counts, loss, 0.0))
             grads.append(grads_i)
             new_states.append(states_i)
-        self._keep_logs(logs)
         stack = lambda per_learner: [tf.stack(list(t)) for t in zip(*per_learner)]  # noqa: E731
         return tf.stack(losses), stack(grads), stack(new_states), tf.zeros(mask.shape, tf.float32)

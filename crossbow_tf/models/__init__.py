@@ -109,9 +109,9 @@ def build_model(name, input_shape, num_classes):
     if own:
         # The engine's step would drop that logic while Keras's fit in tf_ssgd ran it: no fair comparison.
         raise ConfigError(f"model: {call} returned a {type(model).__name__}, which overrides {' and '.join(own)}: "
-                          "crossbow_tf.run and the harness run the engine's own step and would drop that logic; "
-                          "train it with use_sma in a script of yours (it runs train_step per learner, "
-                          "docs/keras.md)")
+                          "crossbow_tf.run and the harness run the learners' step themselves and would drop that "
+                          "logic; move it into train_step or compute_loss, which they run per learner "
+                          "(docs/keras.md)")
     if not model.built:
         # A subclassed model without an Input creates its weights in its first call, as in fit;
         # Model.build would mark it built without them.
