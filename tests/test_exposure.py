@@ -1,10 +1,17 @@
 """What a worker's TensorFlow server exposes, in the one line each worker prints when it starts
 (crossbow_tf/distribute/exposure.py, issue 52); the line itself in a real 2-worker run:
 tests/test_multiworker.py."""
+import json
+import os
+import shutil
 import subprocess
 import sys
 
+import pytest
+
 from crossbow_tf.distribute.exposure import exposure_line, is_loopback, split_address
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_loopback_names_and_addresses():
@@ -60,3 +67,90 @@ def test_a_storage_urls_password_is_never_printed(monkeypatch, tmp_path):
                                                         heartbeat=60))
     assert "s3cret" not in str(refused.value), refused.value
     assert str(refused.value).startswith("--storage postgresql://alice:***@db.example/optuna: cannot open it:")
+
+
+# A stand-in for a worker's TensorFlow server, which binds every interface: it listens on 0.0.0.0, says its
+# port, is told its peer's port and says whether it reached the peer on loopback, then waits to be closed.
+LISTENER = """import socket, sys
+server = socket.socket()
+server.bind(("0.0.0.0", 0))
+server.listen()
+print(server.getsockname()[1], flush=True)
+peer = int(sys.stdin.readline())
+try:
+    socket.create_connection(("127.0.0.1", peer), timeout=5).close()
+    print("reached", flush=True)
+except OSError as e:
+    print(f"not reached: {e}", flush=True)
+sys.stdin.read()
+"""
+
+# Two such workers started as the harness starts a local trial's, outside any namespace and then in
+# netns.private_loopback's; printed: which kind, the sockets exposed in this process's namespace, the
+# workers' namespaces, whether each reached the other.
+TWO_WORKERS = """import contextlib, importlib.util, json, os, subprocess, sys
+from crossbow_tf.distribute.exposure import exposed_listeners
+# netns.py by its path: the harness package's other modules need what an ordinary user's Python may lack.
+spec = importlib.util.spec_from_file_location("netns", {netns!r})
+netns = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(netns)
+LISTENER = {listener!r}
+seen = {{"here": os.stat("/proc/self/ns/net").st_ino}}
+for private in (False, True):
+    with contextlib.ExitStack() as stack:
+        net = netns.private_loopback(stack) if private else None
+        workers = [subprocess.Popen((net.prefix(i) if net else []) + [sys.executable, "-c", LISTENER],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(2)]
+        ports = [int(w.stdout.readline()) for w in workers]
+        exposed = exposed_listeners([w.pid for w in workers])
+        for w, peer in zip(workers, reversed(ports)):
+            w.stdin.write(f"{{peer}}\\n")
+            w.stdin.flush()
+        seen[str(private)] = dict(kind=type(net).__name__ if net else None, exposed=exposed,
+                                  namespaces=[os.stat(f"/proc/{{w.pid}}/ns/net").st_ino for w in workers],
+                                  reached=[w.stdout.readline().strip() for w in workers])
+        for w in workers:
+            w.stdin.close()
+            w.wait(timeout=30)
+print(json.dumps(seen))
+"""
+
+
+def _two_workers(prefix=(), python=sys.executable):
+    done = subprocess.run([*prefix, python, "-c", TWO_WORKERS.format(
+        listener=LISTENER, netns=os.path.join(REPO, "crossbow_tf", "compare", "netns.py"))], capture_output=True,
+                          text=True, timeout=120, cwd="/", env=dict(os.environ, PYTHONPATH=REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _check_private(seen, kind):
+    outside, inside = seen["False"], seen["True"]
+    # The converse, today's way: both servers in this machine's namespace, on every interface.
+    assert [(address, port > 0) for _, address, port in outside["exposed"]] == [("0.0.0.0", True)] * 2, outside
+    assert outside["namespaces"] == [seen["here"]] * 2
+    # In the private namespace: one for both, not this machine's, nothing exposed, and they reach each other.
+    assert inside["kind"] == kind and inside["exposed"] == [], inside
+    assert len(set(inside["namespaces"])) == 1 and inside["namespaces"][0] != seen["here"], inside
+    assert inside["reached"] == ["reached", "reached"] == outside["reached"], (inside, outside)
+
+
+def test_as_root_a_local_trials_workers_listen_in_a_private_namespace_not_on_the_machines_interfaces():
+    assert os.geteuid() == 0, "CI runs as root: this test is the root half"
+    _check_private(_two_workers(), "PrivateLoopback")
+
+
+def test_as_an_ordinary_user_the_workers_share_a_private_user_and_network_namespace():
+    # setpriv drops to nobody (uid 65534); a Python that nobody may run (the venv's may live under /root).
+    drop = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv on this machine to drop to an ordinary user")
+    starts_itself = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'pass'], check=True)"
+    python = next((p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
+                   if subprocess.run([*drop, p, "-c", starts_itself], capture_output=True).returncode == 0), None)
+    if python is None:
+        pytest.skip("no Python an ordinary user may run here")
+    refused = subprocess.run([*drop, "unshare", "--user", "--net", "true"], capture_output=True, text=True)
+    if refused.returncode != 0:
+        pytest.skip(f"this kernel gives ordinary users no namespaces: {refused.stderr.strip()}")
+    _check_private(_two_workers(drop, python), "UserLoopback")

@@ -61,11 +61,71 @@ def compared(tmp_path_factory, data_dir):
     config = tmp / "tiny.yaml"
     config.write_text(yaml.safe_dump(settings))
     out = tmp / "report"
-    proc = subprocess.run([sys.executable, "-m", "crossbow_tf.compare", "--config", str(config), "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=tmp,
-                          env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+    with ListenerWatch() as sockets:   # issue 52: where the workers' servers listen while the trials run
+        proc = subprocess.run([sys.executable, "-m", "crossbow_tf.compare", "--config", str(config), "--out", str(out)],
+                              capture_output=True, text=True, timeout=900, cwd=tmp,
+                              env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp, out, proc.stdout
+    return tmp, out, proc.stdout, sockets
+
+
+def descendants(root):
+    """The pids of ROOT's descendants now."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+class ListenerWatch(threading.Thread):
+    """Samples, every 0.1 s while its block runs, the listening TCP sockets of this test process's
+    descendants (the harness, the fork server and the workers it forks): LISTENING, the (pid, namespace,
+    address, port) of each, in whatever namespace it is; EXPOSED, those in this machine's namespace on an
+    address other than loopback (crossbow_tf/distribute/exposure.py)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.listening, self.exposed, self.done, self.failure = set(), set(), threading.Event(), None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.join()
+        if self.failure is not None:
+            raise self.failure
+        return False
+
+    def run(self):
+        try:
+            self._watch()
+        except Exception as e:   # told by __exit__, not lost with the thread
+            self.failure = e
+
+    def _watch(self):
+        from crossbow_tf.distribute.exposure import exposed_listeners, listening_sockets, socket_inodes
+        while not self.done.wait(0.1):
+            pids = descendants(os.getpid())
+            self.exposed.update(exposed_listeners(pids))
+            for pid in pids:
+                try:
+                    namespace = os.stat(f"/proc/{pid}/ns/net").st_ino
+                except OSError:
+                    continue
+                own = listening_sockets(f"/proc/{pid}/net")
+                self.listening.update((pid, namespace, *own[inode]) for inode in socket_inodes(pid) if inode in own)
 
 
 def results(path):
@@ -79,7 +139,7 @@ def curve(data):
 
 
 def test_a_two_worker_trial_of_the_harness_equals_the_same_run_launched_by_hand(compared):
-    tmp, out, stdout = compared
+    tmp, out, stdout, _ = compared
     run = out / "runs" / "sma" / "t00_s0"
     harness = results(f"{run}.json")
     assert harness["workers"] == 2 and harness["num_learners"] == 4 and harness["global_batch"] == 32
@@ -122,8 +182,20 @@ def test_a_two_worker_trial_of_the_harness_equals_the_same_run_launched_by_hand(
     assert abs(ours[0][5] - math.log(10)) > 0.01 and abs(ours[0][4] - math.log(10)) > 0.01
 
 
+def test_while_the_harness_runs_local_trials_no_worker_listens_beyond_loopback_in_the_machines_namespace(compared):
+    # Issue 52: each worker's TensorFlow server binds every interface; the harness puts a trial's workers
+    # in a namespace of their own, so the machine's namespace holds none of their sockets.
+    _, out, _, sockets = compared
+    here = os.stat("/proc/self/ns/net").st_ino
+    servers = {(pid, namespace) for pid, namespace, address, port in sockets.listening if address in ("0.0.0.0", "::")}
+    assert len({pid for pid, _ in servers}) >= 4, sockets.listening   # two trials' two workers each were seen
+    assert all(namespace != here for _, namespace in servers), servers
+    assert sockets.exposed == set(), sockets.exposed
+    assert "(a private namespace, loopback only)" in (out / "runs" / "sma" / "t00_s0.log").read_text()
+
+
 def test_the_stock_baseline_runs_under_multi_worker_mirrored_strategy_on_the_same_workers(compared):
-    _, out, _ = compared
+    _, out, _, _ = compared
     stock = results(out / "runs" / "tf_ssgd" / "t00_s0.json")
     assert stock["workers"] == 2 and stock["num_learners"] == 2 and stock["global_batch"] == 32
     assert stock["strategy"] == "CollectiveAllReduceStrategy"   # tf.distribute.MultiWorkerMirroredStrategy's class
@@ -248,13 +320,32 @@ def test_a_local_two_worker_trial_runs_in_a_private_namespace_with_only_loopback
     assert not [n for n in netns.namespaces() if n.startswith(f"cbn{os.getpid()}x")]   # removed
 
 
+class _Refused:
+    def __init__(self):
+        from crossbow_tf.compare import netns
+        raise netns.NetworkError("ip netns add cbn1x1-lo: Operation not permitted")
+
+
+def test_without_ip_netns_a_local_trials_workers_share_a_user_namespace_with_only_loopback(tmp_path, monkeypatch):
+    # An ordinary user's way (tests/test_exposure.py runs it as one): a user namespace and its network namespace.
+    from crossbow_tf.compare import netns
+    monkeypatch.setattr(netns, "PrivateLoopback", _Refused)
+    runner, out, lines = _stand_in_runner(tmp_path, monkeypatch)
+    record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", "t00_s0", "t00", 0, workers=2), 0.5, 60)
+    assert record.summary is not None, (record.error, lines)
+    seen = (tmp_path / "netns").read_text().splitlines()
+    assert len(seen) == 2 and len(set(seen)) == 1, seen
+    inode, interfaces = seen[0].split(" ", 1)
+    assert int(inode) != os.stat("/proc/self/ns/net").st_ino and interfaces == "['lo']", seen
+    chief_log = (out / "runs" / "sma" / "t00_s0.log").read_text()
+    assert "# worker 0 of 2 in the user namespace held by process" in chief_log, chief_log
+    assert not [line for line in lines if "reachable on every interface" in line], lines
+
+
 def test_where_the_machine_refuses_namespaces_the_exposure_is_said_once_or_refused(tmp_path, monkeypatch):
     from crossbow_tf.compare import netns
-
-    class Refused:
-        def __init__(self):
-            raise netns.NetworkError("ip netns add cbn1x1-lo: Operation not permitted")
-    monkeypatch.setattr(netns, "PrivateLoopback", Refused)
+    monkeypatch.setattr(netns, "PrivateLoopback", _Refused)
+    monkeypatch.setattr(netns, "UserLoopback", _Refused)
     runner, out, lines = _stand_in_runner(tmp_path, monkeypatch)
     for trial in ("t00", "t01"):
         record = runner.run_job(Job("sma", {"seed": 0}, None, "sma", f"{trial}_s0", trial, 0, workers=2), 0.5, 60)
@@ -320,7 +411,7 @@ def test_two_worker_processes_show_the_studys_progress_and_one_prints_the_final_
 
 WORKER_STAND_IN = '''#!{python}
 """A stand-in for a training run's worker: records its TF_CONFIG; the chief writes results."""
-import json, os, sys
+import json, os, socket, sys
 args = sys.argv[1:]
 results = args[args.index("--results") + 1]
 config = json.loads(os.environ["TF_CONFIG"])
@@ -328,7 +419,7 @@ with open(os.environ["STAND_IN_CALLS"], "a") as f:
     f.write(os.environ["TF_CONFIG"] + "\\n")
 if os.environ.get("STAND_IN_NETNS"):   # which network namespace it ran in, and what it could reach
     with open(os.environ["STAND_IN_NETNS"], "a") as f:
-        f.write(f"{{os.stat('/proc/self/ns/net').st_ino}} {{sorted(os.listdir('/sys/class/net'))}}\\n")
+        f.write(f"{{os.stat('/proc/self/ns/net').st_ino}} {{sorted(n for _, n in socket.if_nameindex())}}\\n")
 if config["task"]["index"] == 0:
     print("epoch   1/1  test accuracy 0.9000  time   1.00s", flush=True)
     json.dump(dict(method="sma", config={{}}, environment={{}}, num_learners=4, workers=2,

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import re
 import subprocess
+import sys
 
 NAME = re.compile(r"^cbn(\d+)x(\d+)-")   # cbn<pid>x<serial>-hub, cbn<pid>x<serial>-w<i>
 _serial = [0]
@@ -182,9 +183,62 @@ class PrivateLoopback(Network):
         self._in(self.name(), "ip", "link", "set", "lo", "up")
 
 
+class UserLoopback:
+    """PrivateLoopback for a user who is not root (or a machine without ``ip netns``): one network
+    namespace with only loopback, owned by a user namespace of its own (user_namespace.py). A holder
+    process keeps both; each worker joins them, through ``prefix(i)``, before its command runs.
+
+        with UserLoopback() as net:
+            net.prefix(i)      # [python, ".../user_namespace.py", "enter", "<holder pid>", "--"]
+    """
+
+    addresses = None   # the workers' TF_CONFIG hosts: loopback, as without a namespace
+    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "user_namespace.py")
+
+    def __init__(self):
+        self.holder = None
+
+    def name(self, i=0):
+        return f"the user namespace held by process {self.holder.pid}"
+
+    def prefix(self, i):
+        return [sys.executable, self.SCRIPT, "enter", str(self.holder.pid), "--"]
+
+    def __enter__(self):
+        self.holder = subprocess.Popen([sys.executable, self.SCRIPT, "hold"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if self.holder.stdout.readline().strip() != "ready":
+            why = self.holder.stderr.read().strip().splitlines()[-1:]
+            self.holder.wait()
+            raise NetworkError(f"a user namespace: {why[0] if why else 'the holder ended'}")
+        return self
+
+    def __exit__(self, *exc):
+        self.holder.stdin.close()
+        try:
+            self.holder.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.holder.kill()
+            self.holder.wait()
+        return False
+
+
+def private_loopback(stack):
+    """A namespace with only loopback for the workers of one machine, entered on STACK: PrivateLoopback as
+    root, else UserLoopback; NetworkError (both reasons) where the machine allows neither."""
+    reasons = []
+    for kind in (PrivateLoopback, UserLoopback):
+        try:
+            return stack.enter_context(kind())
+        except (NetworkError, OSError) as e:
+            reasons.append(str(e).strip() or type(e).__name__)
+    raise NetworkError("; ".join(reasons))
+
+
 EXPOSED_NOTE = ("the workers' TensorFlow servers will be reachable on every interface of this machine while the "
-                "trial runs, without authentication ({why}); run the harness as root to keep them in a private "
-                "network namespace, or set CROSSBOW_PRIVATE_WORKERS=require to refuse such trials "
+                "trial runs, without authentication ({why}); allow user namespaces (sysctl "
+                "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0) or run the harness as root to keep "
+                "them in a private network namespace, or set CROSSBOW_PRIVATE_WORKERS=require to refuse such trials "
                 "(docs/multiworker.md#security)")
 
 

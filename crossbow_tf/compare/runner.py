@@ -336,9 +336,9 @@ class Runner:
         all run here: where the machine refuses namespaces, one note per runner that their servers are
         exposed, or, with CROSSBOW_PRIVATE_WORKERS=require, the trial's refusal."""
         try:
-            return stack.enter_context(netns.PrivateLoopback()), None
-        except (netns.NetworkError, OSError) as e:
-            why = str(e).strip() or type(e).__name__
+            return netns.private_loopback(stack), None
+        except netns.NetworkError as e:
+            why = str(e).strip()
         note = netns.EXPOSED_NOTE.format(why=f"no private network namespace here: {why}")
         if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
             return None, f"CROSSBOW_PRIVATE_WORKERS=require: {note}"
