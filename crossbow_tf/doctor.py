@@ -457,6 +457,49 @@ def check_precision(policy):
     return check
 
 
+def check_workers(ctx):
+    """Whether the harness's local multi-worker trials can run in a private network namespace here
+    (docs/multiworker.md#security), tried as they would run; and what this shell's TF_CONFIG exposes."""
+    import contextlib
+    import json
+
+    from crossbow_tf.compare import netns
+    from crossbow_tf.distribute.exposure import SECURITY_DOC, is_loopback, split_address
+    try:
+        with contextlib.ExitStack() as stack:
+            net = netns.private_loopback(stack)
+            # A worker enters it and listens on every interface, as TensorFlow's server does.
+            listener = "import socket; socket.create_server(('0.0.0.0', 0))"
+            done = subprocess.run(net.prefix(0) + [sys.executable, "-c", listener], capture_output=True, text=True,
+                                  timeout=60)
+            if done.returncode != 0:
+                raise netns.NetworkError(f"a worker could not start in it: {_first_line(done.stderr or 'no output')}")
+            how = "as root, with ip netns" if isinstance(net, netns.PrivateLoopback) else "in a user namespace"
+            private = f"local multi-worker trials run in a private network namespace with only loopback ({how})"
+    except (netns.NetworkError, OSError, subprocess.TimeoutExpired) as e:
+        said = str(e).strip()   # the NetworkError's own words; another error with its type
+        why = (f"no private network namespace here "
+               f"({said.splitlines()[0] if isinstance(e, netns.NetworkError) and said else _first_line(e)})")
+        if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
+            return Verdict(FAILED, f"{why}, and CROSSBOW_PRIVATE_WORKERS=require refuses every local multi-worker "
+                                   "trial; allow user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                                   f"user.max_user_namespaces > 0) or run as root ({SECURITY_DOC})")
+        private = (f"{why}: local multi-worker trials would listen on every interface of this machine, "
+                   f"unauthenticated; set CROSSBOW_PRIVATE_WORKERS=require to refuse them ({SECURITY_DOC})")
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
+    except (ValueError, AttributeError):
+        cluster = {}
+    addresses = [a for tasks in cluster.values() if isinstance(tasks, list) for a in tasks if isinstance(a, str)]
+    others = sorted({host for host, _ in map(split_address, addresses) if not is_loopback(host)})
+    if others:
+        ports = sorted({split_address(a)[1] for a in addresses})
+        private += (f"; this shell's TF_CONFIG names other hosts ({', '.join(others)}): each worker's server accepts "
+                    f"unauthenticated connections on its port ({', '.join(ports)}) of every interface; limit those "
+                    f"ports to the peers ({SECURITY_DOC})")
+    return Verdict(OK, private)
+
+
 CHECKS = {
     "tensorflow": check_tensorflow,
     "gpu": check_gpu,
@@ -465,6 +508,7 @@ CHECKS = {
     "nccl": check_nccl,
     "all-reduce": check_all_reduce,
     "conv-forms": check_conv_forms,
+    "workers": check_workers,
     **{policy: check_precision(policy) for policy in PRECISIONS},
 }
 

@@ -42,7 +42,44 @@ def test_every_check_has_its_verdict_line_and_nothing_fails_on_this_cpu():
     assert "one_device and hierarchical_copy gave the exact sum on each of 2 devices" in lines["all-reduce"]
     for policy in doctor.PRECISIONS:
         assert "two fused SMA steps of 4 learners on 2 device(s), z the same on each" in lines[policy]
-    assert result.stdout.splitlines()[-1].startswith("crossbow-doctor: 10 check(s), nothing failed, 2 skipped")
+    assert "local multi-worker trials run in a private network namespace with only loopback (as root, with ip " \
+           "netns)" in lines["workers"]
+    assert result.stdout.splitlines()[-1].startswith("crossbow-doctor: 11 check(s), nothing failed, 2 skipped")
+
+
+def test_the_workers_check_says_what_a_tf_config_naming_other_hosts_exposes(monkeypatch):
+    from crossbow_tf.compare import netns
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2223"]}, '
+                                    '"task": {"type": "worker", "index": 0}}')
+    monkeypatch.setattr(netns, "PrivateLoopback", _Refused)   # as an ordinary user: a user namespace
+    verdict = doctor.CHECKS["workers"](None)
+    assert verdict.status == OK and "(in a user namespace)" in verdict.detail, verdict
+    assert ("this shell's TF_CONFIG names other hosts (10.0.0.1, 10.0.0.2): each worker's server accepts "
+            "unauthenticated connections on its port (2222, 2223) of every interface") in verdict.detail, verdict
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:2222", "localhost:2223"]}}')
+    assert "other hosts" not in doctor.CHECKS["workers"](None).detail
+
+
+def test_without_any_private_namespace_the_workers_check_warns_or_fails_when_required(monkeypatch):
+    from crossbow_tf.compare import netns
+    monkeypatch.setattr(netns, "PrivateLoopback", _Refused)
+    monkeypatch.setattr(netns, "UserLoopback", _UserRefused)
+    monkeypatch.delenv("CROSSBOW_PRIVATE_WORKERS", raising=False)
+    verdict = doctor.CHECKS["workers"](None)
+    assert verdict.status == OK and verdict.detail.startswith(
+        "no private network namespace here (ip netns add cbn1x1-lo: Operation not permitted; a user namespace: "
+        "unshare: Operation not permitted): local multi-worker trials would listen on every interface of this "
+        "machine, unauthenticated"), verdict
+    monkeypatch.setenv("CROSSBOW_PRIVATE_WORKERS", "require")
+    verdict = doctor.CHECKS["workers"](None)
+    assert verdict.status == FAILED and "CROSSBOW_PRIVATE_WORKERS=require refuses every local multi-worker trial" \
+        in verdict.detail, verdict
+
+
+class _Refused:
+    def __init__(self):
+        from crossbow_tf.compare import netns
+        raise netns.NetworkError("ip netns add cbn1x1-lo: Operation not permitted")
 
 
 def test_without_onednn_the_convolutions_take_the_portable_form_and_nothing_fails():
@@ -231,3 +268,9 @@ def test_ptxas_and_libdevice_are_found_where_xla_looks(tmp_path):
     data_dir = str(tmp_path / "cuda")                     # and --xla_gpu_cuda_data_dir before both
     given = (tool("cuda", "bin", "ptxas"), tool("cuda", "nvvm", "libdevice", "libdevice.10.bc"))
     assert doctor.find_cuda_tools(data_dir, [data_dir] + roots, str(tmp_path / "path")) == given
+
+
+class _UserRefused:
+    def __init__(self):
+        from crossbow_tf.compare import netns
+        raise netns.NetworkError("a user namespace: unshare: Operation not permitted")

@@ -4,6 +4,7 @@ The workers are separate processes started here; each splits its CPU into logica
 runs are compared with one process holding all the learners, and the cluster's failures (a worker
 that dies, hangs or never starts) must stop the others with one clear error within the timeout.
 """
+import contextlib
 import json
 import os
 import re
@@ -35,15 +36,31 @@ def cluster_configs(n):
     return configs, [int(json.loads(c)["cluster"]["worker"][i].rsplit(":", 1)[1]) for i, c in enumerate(configs)]
 
 
+_PRIVATE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_network():
+    """One network namespace with only loopback for every worker this module starts (issue 52: their
+    TensorFlow servers bind every interface), as the harness keeps its trials' workers."""
+    from crossbow_tf.compare import netns
+    with contextlib.ExitStack() as stack:
+        _PRIVATE["prefix"] = netns.private_loopback(stack).prefix(0)
+        yield
+        _PRIVATE.clear()
+
+
 def start(args, tf_config_text=None, cwd=None, python=forking.PYTHON):
-    """`python ARGS` as a worker of TF_CONFIG_TEXT (None: on its own). PYTHON: forked (see
-    tests/forking.py), or sys.executable where the test stops the worker's own process (SIGSTOP
-    would stop the stand-in, not the worker)."""
+    """`python ARGS` as a worker of TF_CONFIG_TEXT (None: on its own), a worker in the module's private
+    namespace. PYTHON: forked (see tests/forking.py), or sys.executable where the test stops the
+    worker's own process (SIGSTOP would stop the stand-in, not the worker)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
+    prefix = []
     if tf_config_text is not None:
         env["TF_CONFIG"] = tf_config_text
-    return subprocess.Popen([python, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        prefix = _PRIVATE["prefix"]
+    return subprocess.Popen([*prefix, python, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=cwd)
 
 

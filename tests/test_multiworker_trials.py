@@ -2,6 +2,7 @@
 the harness's run equals the same run launched by hand, the stock baseline runs under
 MultiWorkerMirroredStrategy, and a worker killed mid-trial is a lost worker whose trial runs again."""
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import time
 import pytest
 import yaml
 
-from crossbow_tf.compare import cli as compare, launch, trials as trials_lib
+from crossbow_tf.compare import cli as compare, launch, netns, trials as trials_lib
 from crossbow_tf.compare.runner import Job, Runner, prepare_out_dir
 from crossbow_tf.distribute.cluster import local_tf_configs
 import forking
@@ -158,7 +159,10 @@ def test_a_two_worker_trial_of_the_harness_equals_the_same_run_launched_by_hand(
         across["step_ms_per_iteration"] - across["collective_ms_per_iteration"])
     assert "waiting in all-reduce ms/iteration" in (out / "report.md").read_text()
     # The same config, launched as docs/multiworker.md launches it: each worker with its TF_CONFIG.
-    procs = [subprocess.Popen([forking.PYTHON, "-m", "crossbow_tf.run", "--config", f"{run}.yaml",
+    # In a loopback-only namespace of their own, as the harness's workers (issue 52).
+    private = contextlib.ExitStack()
+    prefix = netns.private_loopback(private).prefix(0)
+    procs = [subprocess.Popen([*prefix, forking.PYTHON, "-m", "crossbow_tf.run", "--config", f"{run}.yaml",
                                "--results", str(tmp / f"by_hand{i}.json")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp,
                               env=dict(os.environ, PYTHONPATH=REPO, TF_CONFIG=config, TF_CPP_MIN_LOG_LEVEL="2"),
@@ -170,6 +174,7 @@ def test_a_two_worker_trial_of_the_harness_equals_the_same_run_launched_by_hand(
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+        private.close()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-3000:]
     assert not (tmp / "by_hand1.json").exists()   # only the chief writes
     by_hand = results(tmp / "by_hand0.json")

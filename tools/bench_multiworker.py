@@ -14,6 +14,13 @@ step, and the bytes that cross the network per iteration: a ring all-reduce over
     python tools/bench_multiworker.py --models lenet --iterations 50
     python tools/bench_multiworker.py --models lenet --sync-periods 1 4 16 --no-projection
 
+The 2-worker layout runs in a network namespace of its own with only loopback (issue 52: TensorFlow's
+servers bind every interface), as the harness runs a local trial's workers. --namespaces measures
+what that costs: the same 2-worker layout outside a namespace (its servers exposed while it runs) and
+inside, alternated for --rounds rounds, with the ratio of their medians.
+
+    python tools/bench_multiworker.py --models lenet resnet32 --namespaces --rounds 3 --no-projection
+
 With --sync-periods, SMA synchronises every H-th iteration (SMA(sync_period=H)); the iterations
 between synchronisations run the learners' own steps with no collective, so the bytes per
 iteration are the all-reduce's divided by H, and the time per iteration is the mean over whole
@@ -27,6 +34,7 @@ in FP32 with XLA, 1270 with mixed precision; NVIDIA DeepLearningExamples,
 TensorFlow/Classification/ConvNets/resnet50v1.5/README.md).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,12 +65,17 @@ def parse_args(argv):
     p.add_argument("--gpu-images-per-second", type=float, nargs="+", default=[412.0, 1270.0],
                    help="projection: assumed ResNet-50 training throughput of one GPU (see above)")
     p.add_argument("--no-projection", dest="projection", action="store_false")
+    p.add_argument("--namespaces", action="store_true",
+                   help="time the 2-worker layout outside and inside its private namespace, side by side")
+    p.add_argument("--rounds", type=int, default=3, help="with --namespaces: alternated rounds of each")
     p.add_argument("--worker", help=argparse.SUPPRESS)   # internal: run one process of a layout
     args = p.parse_args(argv)
     if args.devices < 2 or args.devices % 2:
         p.error("--devices must be even (the 2-worker run gives each worker half)")
-    if min(args.learners_per_device, args.batch_size, args.iterations, args.warmup, *args.sync_periods) < 1:
-        p.error("--learners-per-device, --batch-size, --iterations, --warmup and --sync-periods must be at least 1")
+    if min(args.learners_per_device, args.batch_size, args.iterations, args.warmup, args.rounds,
+           *args.sync_periods) < 1:
+        p.error("--learners-per-device, --batch-size, --iterations, --warmup, --rounds and --sync-periods must be "
+                "at least 1")
     return args
 
 
@@ -138,8 +151,35 @@ class _NoGuard:
         return False
 
 
-def launch(args, model, workers, sync_period=1):
-    """Runs one layout (WORKERS processes); returns the chief's measurements."""
+def launch(args, model, workers, sync_period=1, private=True):
+    """Runs one layout (WORKERS processes; several in a private namespace unless PRIVATE is False);
+    returns the chief's measurements."""
+    with contextlib.ExitStack() as stack:
+        prefix = _private_prefix(stack) if workers > 1 and private else []
+        return _launch(args, model, workers, sync_period, prefix)
+
+
+def _private_prefix(stack):
+    """The command prefix that puts a worker in one loopback-only namespace entered on STACK, or [] (said
+    once) where the machine allows none; CROSSBOW_PRIVATE_WORKERS=require makes that an exit."""
+    from crossbow_tf.compare import netns
+    try:
+        net = netns.private_loopback(stack)
+        return net.prefix(0)
+    except netns.NetworkError as e:
+        note = netns.EXPOSED_NOTE.format(why=f"no private network namespace here: {e}")
+    if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
+        sys.exit(f"bench_multiworker: CROSSBOW_PRIVATE_WORKERS=require: {note}")
+    if not _noted:
+        _noted.append(note)
+        print(f"# note: {note}", flush=True)
+    return []
+
+
+_noted = []
+
+
+def _launch(args, model, workers, sync_period, prefix):
     from crossbow_tf.distribute.cluster import local_tf_configs
     spec = json.dumps({"model": model, "devices": args.devices // workers, "sync_period": sync_period})
     command = [sys.executable, os.path.abspath(__file__), "--worker", spec,
@@ -152,7 +192,8 @@ def launch(args, model, workers, sync_period=1):
         env.pop("TF_CONFIG", None)
         if config is not None:
             env["TF_CONFIG"] = config
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(subprocess.Popen(prefix + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=env))
     outputs = [p.communicate() for p in procs]
     for p, (out, err) in zip(procs, outputs):
         if p.returncode != 0:
@@ -165,6 +206,8 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         return run_worker(args)
+    if args.namespaces:
+        return compare_namespaces(args)
     m, d = args.learners_per_device, args.devices
     print(f"SMA step, {args.batch_size} examples per learner, k = {d * m} learners in both layouts; "
           f"median of {args.iterations} iterations after {args.warmup} of warm-up "
@@ -184,6 +227,24 @@ def main(argv=None):
                       f"{r['bytes'] / 1e6:>9.2f} {network:>27.2f}", flush=True)
     if args.projection:
         project_resnet50(args)
+    return 0
+
+
+def compare_namespaces(args):
+    """The 2-worker layout's ms/iteration outside a namespace and inside its private one, alternated."""
+    m, d = args.learners_per_device, args.devices
+    print(f"SMA step on 2 workers x {d // 2} dev x {m} learners, {args.batch_size} examples per learner; per round "
+          f"the median of {args.iterations} iterations after {args.warmup} of warm-up; outside and inside alternate")
+    print(f"{'model':<9} {'round':>5} {'outside ms':>10} {'inside ms':>9} {'inside/outside':>14}")
+    for model in args.models:
+        outside, inside = [], []
+        for round_ in range(1, args.rounds + 1):
+            outside.append(1000 * launch(args, model, 2, private=False)["step"])
+            inside.append(1000 * launch(args, model, 2, private=True)["step"])
+            print(f"{model:<9} {round_:>5} {outside[-1]:>10.1f} {inside[-1]:>9.1f} {inside[-1] / outside[-1]:>14.3f}",
+                  flush=True)
+        o, i = statistics.median(outside), statistics.median(inside)
+        print(f"{model:<9} {'median':>5} {o:>10.1f} {i:>9.1f} {i / o:>14.3f}", flush=True)
     return 0
 
 
