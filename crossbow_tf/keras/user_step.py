@@ -99,7 +99,8 @@ class UserTrainStep:
         if self.own_loss_per_learner:
             for metric in model.metrics:
                 metric.reset_state()
-        trackers = [tf.identity(v.value) for v in model.metrics_variables]
+        # The trackers the step finds (the first step may build more; those start at their initial values).
+        trackers = [(v, tf.identity(v.value)) for v in model.metrics_variables]
         for variable, value in zip(model.trainable_variables, weights):
             variable.assign(value)
         for variable, value in zip(model.non_trainable_variables, states):
@@ -108,7 +109,7 @@ class UserTrainStep:
             logs = flat_logs(type(model).train_step(model, data))
         grads = [captured.get(id(v), tf.zeros_like(v)) for v in model.trainable_variables]
         new_states = [tf.where(counts, v.value, old) for v, old in zip(model.non_trainable_variables, states)]
-        for variable, before in zip(model.metrics_variables, trackers):
+        for variable, before in trackers:
             variable.assign(tf.where(counts, variable.value, before))
         grads = [tf.where(counts, tf.cast(g, w.dtype), tf.zeros_like(w)) for g, w in zip(grads, weights)]
         return logs, grads, new_states
