@@ -103,7 +103,7 @@ for private in (False, True):
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(2)]
         ports = [int(w.stdout.readline()) for w in workers]
         exposed = exposed_listeners([w.pid for w in workers])
-        for w, peer in zip(workers, reversed(ports)):
+        for w, peer in zip(workers, reversed(ports), strict=True):
             w.stdin.write(f"{{peer}}\\n")
             w.stdin.flush()
         seen[str(private)] = dict(kind=type(net).__name__ if net else None, exposed=exposed,

@@ -302,16 +302,19 @@ def test_a_last_partial_batch_steps_each_learner_on_its_real_rows_alone(cpu_devi
     model = use_sma(_custom_fit(), four_learners(cpu_devices))
     history = model.fit(x, y, batch_size=G, epochs=1, shuffle=False, verbose=0)
     plain_losses = []
-    for j, learner in enumerate(get_training(model).learner_weights()):
+    learners = get_training(model).learner_weights()
+    assert len(learners) == K
+    for j, learner in enumerate(learners):
         rows = slice(j * B, min((j + 1) * B, len(x)))
         if j < 2:
             plain = _custom_fit()
             plain_losses.append(plain.fit(x[rows], y[rows], batch_size=B, epochs=1, shuffle=False,
                                           verbose=0).history["loss"][0])
             expected = plain.get_weights()
+            assert not np.allclose(expected[-1], initial[-1], atol=1e-4)   # a real step: the two cases differ
         else:
             expected = initial
-        for ours, theirs in zip(learner, expected):
+        for ours, theirs in zip(learner, expected, strict=True):
             np.testing.assert_allclose(ours, theirs, atol=1e-5, err_msg=f"learner {j}")
     np.testing.assert_allclose(history.history["loss"][0], np.mean(plain_losses), rtol=1e-5)
 
