@@ -41,6 +41,7 @@ import time
 
 from baselines import _cli
 from baselines._cli import parse_tf_ssgd_options
+from crossbow_tf import training_hooks
 from crossbow_tf.device_choice import choose_devices, device_line, reduction_problem
 from crossbow_tf.errors import ConfigError, TrainingDiverged
 
@@ -357,8 +358,12 @@ def train(cfg, opts, log=print):
     if cfg.tensorboard and chief:   # on several workers only the chief writes files
         from crossbow_tf.tensorboard import EvaluationWriter
         tensorboard = EvaluationWriter(cfg.tensorboard)
+    # A test_step of the model's own is not the harness's measure: accuracy and loss come from the model's
+    # outputs, as the engine's methods evaluate z (crossbow_tf/training_hooks.py, RUN_PATH_HONOURS).
+    own_test_step = training_hooks.overrides(type(model), "test_step")
+
     def evaluate():
-        if workers is not None:   # every worker alike (the same stop decisions), outside Keras's evaluate
+        if workers is not None or own_test_step:   # workers: every one alike (the same stop decisions)
             return evaluate_outside_fit(model, test_ds)
         out = model.evaluate(test_ds, verbose=0, return_dict=True)
         return float(out["accuracy"]), float(out["loss"])
@@ -537,8 +542,6 @@ def fit_on_workers(model, strategy, train_ds, epochs, steps_per_epoch, callbacks
 def evaluate_outside_fit(model, test_ds):
     """(accuracy, mean loss) of MODEL on TEST_DS, computed here (Keras's evaluate is fit's sibling)."""
     import numpy as np
-
-    from crossbow_tf import training_hooks
     own_loss = training_hooks.overrides(type(model), "compute_loss")   # the test loss, as in Keras's test_step
     correct = total = loss = 0.0
     for x, y in test_ds:

@@ -42,7 +42,8 @@ HOOKS = (
 BY_NAME = {hook.name: hook for hook in HOOKS}
 # What crossbow_tf.run, its engine methods and the harness take of a user's model file: the engine runs
 # a compute_loss or train_step of the model's own per learner (crossbow_tf.experiment.build_engine), and
-# tf_ssgd's Keras fit runs them as Keras does.
+# tf_ssgd's Keras fit runs them as Keras does. Its test_step and predict_step are taken but not run: every
+# side records accuracy and loss computed from the model's outputs, the same measure for each method.
 RUN_PATH_HONOURS = frozenset(hook.name for hook in HOOKS if hook.treatment != REFUSED)
 
 

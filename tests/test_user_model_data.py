@@ -60,6 +60,12 @@ class ShiftedLabels(keras.Model):
 def own_step(input_shape, num_classes):
     inputs = keras.Input(input_shape)
     return ShiftedLabels(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
+class OwnEvaluation(keras.Model):
+    def test_step(self, data):
+        return {"accuracy": 7.0, "loss": 7.0}
+def own_evaluation(input_shape, num_classes):
+    inputs = keras.Input(input_shape)
+    return OwnEvaluation(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(inputs)))
 class OwnFit(keras.Model):
     def fit(self, *args, **kwargs):
         return super().fit(*args, **kwargs)
@@ -425,6 +431,16 @@ def test_a_users_compute_loss_and_train_step_are_the_objective_on_every_side(in_
         assert np.isfinite(evaluations[name]["loss"])
     assert evaluations["own_loss"]["loss"] != pytest.approx(evaluations["its_twin"]["loss"], rel=1e-4)
     assert evaluations["its_twin"]["accuracy"] > 0.6 and evaluations["own_step"]["accuracy"] < 0.2, evaluations
+
+
+@pytest.mark.parametrize("main", [run_main, tf_ssgd.main], ids=["sma", "tf_ssgd"])
+def test_the_harness_measures_a_model_with_its_own_test_step_from_its_outputs_on_every_side(in_folder, capsys, main):
+    # OwnEvaluation's test_step says 7.0; the recorded accuracy is the share of test digits its outputs get right.
+    cfg = write_config(in_folder / "evaluation.yaml", model="user_models:own_evaluation", batch_size=64)
+    results = in_folder / f"evaluation-{main.__module__}.json"
+    assert main(["--config", cfg, "--results", str(results)]) == 0, capsys.readouterr().err
+    last = json.loads(results.read_text())["evaluations"][-1]
+    assert 0.5 < last["accuracy"] <= 1.0 and last["loss"] != 7.0, last
 
 
 def test_auto_tuning_takes_a_users_compute_loss_and_train_step(in_folder, capsys):
