@@ -209,7 +209,6 @@ def _build_engine(cfg, devices, data, log, resume_point, cluster):
     import keras
 
     from crossbow_tf.config import check_central_loop, noise_matching_on
-    from crossbow_tf.engine.core import Engine
     from crossbow_tf.models import build_model
 
     # As a Keras user sets it, before any model is built (the tuner's included): the layers compute

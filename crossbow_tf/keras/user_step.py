@@ -94,7 +94,7 @@ class UserTrainStep:
         data = keras.utils.pack_x_y_sample_weight(x, y if self.targets_given else None, sample_weight)
         return tree.map_structure(lambda t: tf.boolean_mask(t, rows), data), tf.reduce_any(real)
 
-    def _run_learner(self, weights, states, data, counts):
+    def _run_learner(self, weights, states, data, has_rows):
         model = self.model
         if self.own_loss_per_learner:
             for metric in model.metrics:
@@ -108,14 +108,14 @@ class UserTrainStep:
         with captured_gradients(model) as captured:
             logs = flat_logs(type(model).train_step(model, data))
         grads = [captured.get(id(v), tf.zeros_like(v)) for v in model.trainable_variables]
-        new_states = [tf.where(counts, v.value, old) for v, old in zip(model.non_trainable_variables, states)]
+        new_states = [tf.where(has_rows, v.value, old) for v, old in zip(model.non_trainable_variables, states)]
         for variable, before in trackers:
-            variable.assign(tf.where(counts, variable.value, before))
-        grads = [tf.where(counts, tf.cast(g, w.dtype), tf.zeros_like(w)) for g, w in zip(grads, weights)]
+            variable.assign(tf.where(has_rows, variable.value, before))
+        grads = [tf.where(has_rows, tf.cast(g, w.dtype), tf.zeros_like(w)) for g, w in zip(grads, weights)]
         return logs, grads, new_states
 
-    def _keep_logs(self, logs, counts):
-        """Keeps LOGS of a learner with real rows (COUNTS): the step's logs are the last such learner's."""
+    def _keep_logs(self, logs, has_rows):
+        """Keeps LOGS of a learner with real rows (HAS_ROWS): the step's logs are the last such learner's."""
         if self.logs is None:
             with tf.init_scope():
                 self.logs = {name: tf.Variable(tf.zeros(tf.convert_to_tensor(value).shape,
@@ -123,7 +123,7 @@ class UserTrainStep:
                                                name=f"crossbow_log_{i}")
                              for i, (name, value) in enumerate(logs.items())}
         for name, value in logs.items():
-            self.logs[name].assign(tf.where(counts, tf.cast(value, self.logs[name].dtype), self.logs[name]))
+            self.logs[name].assign(tf.where(has_rows, tf.cast(value, self.logs[name].dtype), self.logs[name]))
 
     def read_logs(self):
         """The logs the model's train_step returned at the last step, for fit."""
@@ -136,11 +136,11 @@ class UserTrainStep:
         m = x.shape[0] if not tree.is_nested(x) else tree.flatten(x)[0].shape[0]
         losses, grads, new_states = [], [], []
         for i in range(m):
-            data, counts = self._data(tree.map_structure(lambda t: t[i], x), y[i], mask[i])
-            logs, grads_i, states_i = self._run_learner([w[i] for w in weights], [s[i] for s in states], data, counts)
-            self._keep_logs(logs, counts)
+            data, has_rows = self._data(tree.map_structure(lambda t: t[i], x), y[i], mask[i])
+            logs, grads_i, states_i = self._run_learner([w[i] for w in weights], [s[i] for s in states], data, has_rows)
+            self._keep_logs(logs, has_rows)
             loss = tf.cast(tf.reshape(logs.get("loss", 0.0), []), tf.float32)
-            losses.append(tf.where(counts, loss, 0.0))
+            losses.append(tf.where(has_rows, loss, 0.0))
             grads.append(grads_i)
             new_states.append(states_i)
         stack = lambda per_learner: [tf.stack(list(t)) for t in zip(*per_learner)]  # noqa: E731
