@@ -65,6 +65,16 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
+@pytest.fixture(autouse=True)
+def float32_policy_after():
+    """Keras's global policy is float32 again after each test: a run under mixed precision sets it for its
+    process, as a Keras user does, and the next test in this process must not inherit it."""
+    yield
+    keras = sys.modules.get("keras")   # a test that never imported Keras changed nothing
+    if keras is not None and keras.mixed_precision.global_policy().name != "float32":
+        keras.mixed_precision.set_global_policy("float32")
+
+
 @pytest.fixture
 def cpu_devices():
     """The 4 logical CPU devices of the test session."""

@@ -24,6 +24,7 @@ ALLOWED_CROSSBOW = ("crossbow_tf.config", "crossbow_tf.data", "crossbow_tf.model
                     "crossbow_tf.errors", "crossbow_tf.cli", "crossbow_tf.files",   # cli, files: argument and output helpers
                     "crossbow_tf.tensorboard",   # --tensorboard: tf.summary of the evaluations
                     "crossbow_tf.device_choice",   # the devices a run trains on, as the engine's runs choose them
+                    "crossbow_tf.training_hooks",   # the table of a model's own logic, as both sides read it
                 "crossbow_tf.algorithms.contract")   # the rules' registry: the engine methods' names
 # The rule registry and the rules' classes, which the configuration constructs to validate the
 # algorithm: section. Pure arithmetic, no TensorFlow and no engine (test_the_rule_registry_is_pure):
