@@ -2,8 +2,9 @@
 
 It lists the devices TensorFlow sees and, where no GPU is visible, why; then it checks what a run
 needs, each on every device a run would train on: XLA (on GPUs: ptxas and libdevice), NCCL, the
-cross-device reductions, the fused path's grouped convolution, and one tiny fused SMA step of the
-project's engine in each precision. One verdict line per check: "ok", "skipped: why" or "FAILED: why,
+cross-device reductions, the fused path's grouped convolution, whether local multi-worker trials can
+run in a private network namespace, and one tiny fused SMA step of the project's engine in each
+precision. One verdict line per check: "ok", "skipped: why" or "FAILED: why,
 and what to do". Exit code 0 when nothing failed, 1 when a check failed, 2 on bad arguments.
 docs/gpu.md says what each verdict means.
 """
