@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -89,11 +90,16 @@ sys.stdin.read()
 # netns.private_loopback's; printed: which kind, the sockets exposed in this process's namespace, the
 # workers' namespaces, whether each reached the other.
 TWO_WORKERS = """import contextlib, importlib.util, json, os, subprocess, sys
-from crossbow_tf.distribute.exposure import exposed_listeners
-# netns.py by its path: the harness package's other modules need what an ordinary user's Python may lack.
-spec = importlib.util.spec_from_file_location("netns", {netns!r})
-netns = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(netns)
+
+
+def by_path(name):   # standard library only; the harness package needs what an ordinary user's Python may lack
+    spec = importlib.util.spec_from_file_location(name, os.path.join({where!r}, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+netns, exposed_listeners = by_path("netns"), by_path("exposure").exposed_listeners
 LISTENER = {listener!r}
 seen = {{"here": os.stat("/proc/self/ns/net").st_ino}}
 for private in (False, True):
@@ -117,9 +123,16 @@ print(json.dumps(seen))
 
 
 def _two_workers(prefix=(), python=sys.executable):
-    done = subprocess.run([*prefix, python, "-c", TWO_WORKERS.format(
-        listener=LISTENER, netns=os.path.join(REPO, "crossbow_tf", "compare", "netns.py"))], capture_output=True,
-                          text=True, timeout=120, cwd="/", env=dict(os.environ, PYTHONPATH=REPO))
+    # The three modules copied where any user may read them (a checkout may sit in root's home).
+    where = tempfile.mkdtemp(prefix="crossbow-exposure-")
+    try:
+        os.chmod(where, 0o755)
+        for module in ("compare/netns.py", "compare/user_namespace.py", "distribute/exposure.py"):
+            shutil.copy(os.path.join(REPO, "crossbow_tf", module), where)
+        done = subprocess.run([*prefix, python, "-c", TWO_WORKERS.format(listener=LISTENER, where=where)],
+                              capture_output=True, text=True, timeout=120, cwd="/")
+    finally:
+        shutil.rmtree(where)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
