@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -167,3 +168,46 @@ def test_as_an_ordinary_user_the_workers_share_a_private_user_and_network_namesp
     if refused.returncode != 0:
         pytest.skip(f"this kernel gives ordinary users no namespaces: {refused.stderr.strip()}")
     _check_private(_two_workers(drop, python), "UserLoopback")
+
+
+def _gone(pid):
+    """Whether process PID has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _command(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def test_a_killed_harness_leaves_neither_its_user_namespaces_holder_nor_a_worker_behind():
+    # kill -9 runs no clean-up: the holder ends as its stdin's pipe closes, the worker by the death signal
+    # it set after joining the namespace (the kernel clears the one launch.start sets).
+    harness = f"""import contextlib, importlib.util, subprocess, time
+spec = importlib.util.spec_from_file_location("netns", {os.path.join(REPO, "crossbow_tf", "compare", "netns.py")!r})
+netns = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(netns)
+with netns.UserLoopback() as net:
+    worker = subprocess.Popen(net.prefix(0) + ["sleep", "600"])
+    print(net.holder.pid, worker.pid, flush=True)
+    time.sleep(600)
+"""
+    process = subprocess.Popen([sys.executable, "-c", harness], stdout=subprocess.PIPE, text=True)
+    holder, worker = map(int, process.stdout.readline().split())
+    deadline = time.monotonic() + 10   # the worker has joined the namespace and runs its command
+    while _command(worker) != "sleep" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _command(worker) == "sleep" and not _gone(holder)
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 10
+    while not (_gone(holder) and _gone(worker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(holder) and _gone(worker), (holder, worker)
