@@ -483,10 +483,8 @@ def check_workers(ctx):
                f"({said.splitlines()[0] if isinstance(e, netns.NetworkError) and said else _first_line(e)})")
         if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
             return Verdict(FAILED, f"{why}, and CROSSBOW_PRIVATE_WORKERS=require refuses every local multi-worker "
-                                   "trial; allow user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-                                   f"user.max_user_namespaces > 0) or run as root ({SECURITY_DOC})")
-        private = (f"{why}: local multi-worker trials would listen on every interface of this machine, "
-                   f"unauthenticated; set CROSSBOW_PRIVATE_WORKERS=require to refuse them ({SECURITY_DOC})")
+                                   f"trial; {netns.MAKE_PRIVATE} ({SECURITY_DOC})")
+        private = netns.EXPOSED_NOTE.format(why=why)
     try:
         cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
     except (ValueError, AttributeError):

@@ -235,11 +235,11 @@ def private_loopback(stack):
     raise NetworkError("; ".join(reasons))
 
 
+MAKE_PRIVATE = ("allow user namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0) "
+                "or run the harness as root")
 EXPOSED_NOTE = ("the workers' TensorFlow servers will be reachable on every interface of this machine while the "
-                "trial runs, without authentication ({why}); allow user namespaces (sysctl "
-                "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0) or run the harness as root to keep "
-                "them in a private network namespace, or set CROSSBOW_PRIVATE_WORKERS=require to refuse such trials "
-                "(docs/multiworker.md#security)")
+                "trial runs, without authentication ({why}); " + MAKE_PRIVATE + " to keep them in a private network "
+                "namespace, or set CROSSBOW_PRIVATE_WORKERS=require to refuse such trials (docs/multiworker.md#security)")
 
 
 def refusal():
