@@ -466,25 +466,25 @@ def check_workers(ctx):
 
     from crossbow_tf.compare import netns
     from crossbow_tf.distribute.exposure import SECURITY_DOC, is_loopback, split_address
-    try:
-        with contextlib.ExitStack() as stack:
-            net = netns.private_loopback(stack)
+    with contextlib.ExitStack() as stack:
+        try:
+            net, detail = netns.private_or_exposed(stack)
+        except netns.ExposureRefused as e:
+            return Verdict(FAILED, f"every local multi-worker trial would be refused: {e}")
+        if net is not None:
             # A worker enters it and listens on every interface, as TensorFlow's server does.
             listener = "import socket; socket.create_server(('0.0.0.0', 0))"
-            done = subprocess.run(net.prefix(0) + [sys.executable, "-c", listener], capture_output=True, text=True,
-                                  timeout=60)
-            if done.returncode != 0:
-                raise netns.NetworkError(f"a worker could not start in it: {_first_line(done.stderr or 'no output')}")
+            try:
+                done = subprocess.run(net.prefix(0) + [sys.executable, "-c", listener], capture_output=True,
+                                      text=True, timeout=60)
+                error = None if done.returncode == 0 else _first_line(done.stderr or "no output")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                error = _first_line(e)
+            if error is not None:
+                return Verdict(FAILED, f"a worker could not start in {net.name(0)} ({error}): local multi-worker "
+                                       "trials would fail there; report this output")
             how = "as root, with ip netns" if isinstance(net, netns.PrivateLoopback) else "in a user namespace"
-            private = f"local multi-worker trials run in a private network namespace with only loopback ({how})"
-    except (netns.NetworkError, OSError, subprocess.TimeoutExpired) as e:
-        said = str(e).strip()   # the NetworkError's own words; another error with its type
-        why = (f"no private network namespace here "
-               f"({said.splitlines()[0] if isinstance(e, netns.NetworkError) and said else _first_line(e)})")
-        if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
-            return Verdict(FAILED, f"{why}, and CROSSBOW_PRIVATE_WORKERS=require refuses every local multi-worker "
-                                   f"trial; {netns.MAKE_PRIVATE} ({SECURITY_DOC})")
-        private = netns.EXPOSED_NOTE.format(why=why)
+            detail = f"local multi-worker trials run in a private network namespace with only loopback ({how})"
     try:
         cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
     except (ValueError, AttributeError):
@@ -493,10 +493,10 @@ def check_workers(ctx):
     others = sorted({host for host, _ in map(split_address, addresses) if not is_loopback(host)})
     if others:
         ports = sorted({split_address(a)[1] for a in addresses})
-        private += (f"; this shell's TF_CONFIG names other hosts ({', '.join(others)}): each worker's server accepts "
+        detail += (f"; this shell's TF_CONFIG names other hosts ({', '.join(others)}): each worker's server accepts "
                     f"unauthenticated connections on its port ({', '.join(ports)}) of every interface; limit those "
                     f"ports to the peers ({SECURITY_DOC})")
-    return Verdict(OK, private)
+    return Verdict(OK, detail)
 
 
 CHECKS = {

@@ -164,16 +164,13 @@ def _private_prefix(stack):
     once) where the machine allows none; CROSSBOW_PRIVATE_WORKERS=require makes that an exit."""
     from crossbow_tf.compare import netns
     try:
-        net = netns.private_loopback(stack)
-        return net.prefix(0)
-    except netns.NetworkError as e:
-        note = netns.EXPOSED_NOTE.format(why=f"no private network namespace here: {e}")
-    if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
-        sys.exit(f"bench_multiworker: CROSSBOW_PRIVATE_WORKERS=require: {note}")
-    if not _noted:
+        net, note = netns.private_or_exposed(stack)
+    except netns.ExposureRefused as e:
+        sys.exit(f"bench_multiworker: {e}")
+    if note and not _noted:
         _noted.append(note)
         print(f"# note: {note}", flush=True)
-    return []
+    return net.prefix(0) if net else []
 
 
 _noted = []

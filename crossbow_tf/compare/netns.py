@@ -242,6 +242,23 @@ EXPOSED_NOTE = ("the workers' TensorFlow servers will be reachable on every inte
                 "namespace, or set CROSSBOW_PRIVATE_WORKERS=require to refuse such trials (docs/multiworker.md#security)")
 
 
+class ExposureRefused(NetworkError):
+    """CROSSBOW_PRIVATE_WORKERS=require refuses workers whose servers no private namespace would hide."""
+
+
+def private_or_exposed(stack):
+    """For the workers of one machine: (the private namespace, entered on STACK, None); where the machine
+    allows none, (None, the note that their servers will be exposed and how to stop that); under
+    CROSSBOW_PRIVATE_WORKERS=require, ExposureRefused instead of that note."""
+    try:
+        return private_loopback(stack), None
+    except NetworkError as e:
+        note = EXPOSED_NOTE.format(why=f"no private network namespace here: {e}")
+    if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
+        raise ExposureRefused(f"CROSSBOW_PRIVATE_WORKERS=require: {note}")
+    return None, note
+
+
 def refusal():
     """None when this machine lets us make namespaces, else why not (one line)."""
     try:

@@ -336,16 +336,13 @@ class Runner:
         all run here: where the machine refuses namespaces, one note per runner that their servers are
         exposed, or, with CROSSBOW_PRIVATE_WORKERS=require, the trial's refusal."""
         try:
-            return netns.private_loopback(stack), None
-        except netns.NetworkError as e:
-            why = str(e).strip()
-        note = netns.EXPOSED_NOTE.format(why=f"no private network namespace here: {why}")
-        if os.environ.get("CROSSBOW_PRIVATE_WORKERS", "").strip() == "require":
-            return None, f"CROSSBOW_PRIVATE_WORKERS=require: {note}"
-        if not self._exposed_noted:
+            net, note = netns.private_or_exposed(stack)
+        except netns.ExposureRefused as e:
+            return None, str(e)
+        if note and not self._exposed_noted:
             self._exposed_noted = True
             self.say(f"note: {note}")
-        return None, None
+        return net, None
 
     def _limit(self, job):
         """The bandwidth limit JOB's workers run behind (its own, the limits phase's, else the runner's
