@@ -24,6 +24,21 @@ G = K * B
 PENALTY = 100.0
 
 
+def _plain_and_ssgd(make, cpu_devices, x, y=None, epochs=2, **fit_args):
+    """MAKE()'s model fitted by plain Keras and a second one by use_sma's synchronous SGD at the global batch G,
+    the reference for a loss that is a mean over the batch: (plain model, its history, ours, its history)."""
+    plain = make()
+    plain_history = plain.fit(x, y, batch_size=G, epochs=epochs, shuffle=False, verbose=0, **fit_args)
+    model = use_sma(make(), four_learners(cpu_devices), algorithm="ssgd")
+    history = model.fit(x, y, batch_size=G, epochs=epochs, shuffle=False, verbose=0, **fit_args)
+    return plain, plain_history, model, history
+
+
+def _assert_same_weights(ours, theirs, err_msg=""):
+    for a, b in zip(ours.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=err_msg)
+
+
 def _data(n=48, seed=0):
     rng = np.random.default_rng(seed)
     return rng.normal(size=(n, 5)).astype("float32"), rng.integers(0, 3, n).astype("int32")
@@ -74,12 +89,8 @@ def test_each_learner_steps_on_the_override_with_its_own_slice(cpu_devices):
 
 def test_synchronous_sgd_with_the_override_equals_keras_at_the_global_batch(cpu_devices):
     x, y = _data()
-    plain = _functional(Penalised)
-    plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    model = use_sma(_functional(Penalised), four_learners(cpu_devices), algorithm="ssgd")
-    history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    plain, plain_history, model, history = _plain_and_ssgd(lambda: _functional(Penalised), cpu_devices, x, y)
+    _assert_same_weights(model, plain)
     np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-6)
 
 
@@ -115,12 +126,8 @@ def _distiller(seed=2):
 def test_a_distiller_compiled_without_a_loss_trains_on_its_own_objective(cpu_devices):
     # Before issue 44: refused with "No loss to compute ... Provide a `loss` argument in `compile()`".
     x, y = _data()
-    plain = _distiller()
-    plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    model = use_sma(_distiller(), four_learners(cpu_devices), algorithm="ssgd")
-    history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    for ours, theirs in zip(model.student.get_weights(), plain.student.get_weights()):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    plain, plain_history, model, history = _plain_and_ssgd(_distiller, cpu_devices, x, y)
+    _assert_same_weights(model.student, plain.student)
     np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
     np.testing.assert_allclose(history.history["sparse_categorical_accuracy"],
                                plain_history.history["sparse_categorical_accuracy"])
@@ -144,12 +151,8 @@ def test_an_override_that_reads_x_trains_without_targets(cpu_devices):
         model = Reconstructing(inputs, keras.layers.Dense(5)(code))
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
         return model
-    plain = build()
-    plain_history = plain.fit(x, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    model = use_sma(build(), four_learners(cpu_devices), algorithm="ssgd")
-    history = model.fit(x, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    plain, plain_history, model, history = _plain_and_ssgd(build, cpu_devices, x)
+    _assert_same_weights(model, plain)
     np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
 
 
@@ -272,12 +275,8 @@ def _custom_fit(seed=1):
 
 def test_a_models_own_train_step_runs_per_learner_and_equals_keras_under_synchronous_sgd(cpu_devices):
     x, y = _data()
-    plain = _custom_fit()
-    plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    model = use_sma(_custom_fit(), four_learners(cpu_devices), algorithm="ssgd")
-    history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    plain, plain_history, model, history = _plain_and_ssgd(_custom_fit, cpu_devices, x, y)
+    _assert_same_weights(model, plain)
     assert set(history.history) == {"loss", "accuracy"}
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(history.history[key], plain_history.history[key], rtol=1e-5, err_msg=key)
@@ -369,15 +368,11 @@ def _vae(seed=4):
 def test_a_vae_with_its_own_train_step_and_trackers_reports_what_keras_reports(cpu_devices):
     # Before issue 44: refused with "No loss to compute ... Provide a `loss` argument in `compile()`".
     x, _ = _data()
-    plain = _vae()
-    plain_history = plain.fit(x, batch_size=G, epochs=3, shuffle=False, verbose=0)
-    model = use_sma(_vae(), four_learners(cpu_devices), algorithm="ssgd")
-    history = model.fit(x, batch_size=G, epochs=3, shuffle=False, verbose=0)
+    plain, plain_history, model, history = _plain_and_ssgd(_vae, cpu_devices, x, epochs=3)
     assert set(history.history) == {"loss", "reconstruction_loss", "kl_loss"}
     for key in history.history:
         np.testing.assert_allclose(history.history[key], plain_history.history[key], rtol=1e-5, err_msg=key)
-    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    _assert_same_weights(model, plain)
     # Under SMA the learners differ, and the trackers still follow the objective down.
     sma = use_sma(_vae(), four_learners(cpu_devices))
     sma_history = sma.fit(x, batch_size=G, epochs=3, shuffle=False, verbose=0)
@@ -432,12 +427,9 @@ def test_the_override_with_class_weight_and_sample_weight_equals_keras(cpu_devic
     runs = {}
     for name, fit_args in (("class_weight", dict(class_weight={0: 1.0, 1: 3.0, 2: 0.5})),
                            ("sample_weight", dict(sample_weight=weights))):
-        plain = _functional(Penalised)
-        plain_history = plain.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0, **fit_args)
-        model = use_sma(_functional(Penalised), four_learners(cpu_devices), algorithm="ssgd")
-        history = model.fit(x, y, batch_size=G, epochs=2, shuffle=False, verbose=0, **fit_args)
-        for ours, theirs in zip(model.get_weights(), plain.get_weights()):
-            np.testing.assert_allclose(ours, theirs, atol=1e-5, err_msg=name)
+        plain, plain_history, model, history = _plain_and_ssgd(lambda: _functional(Penalised), cpu_devices, x, y,
+                                                               **fit_args)
+        _assert_same_weights(model, plain, err_msg=name)
         np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5, err_msg=name)
         runs[name] = model.get_weights()[0]
     assert not np.allclose(runs["class_weight"], runs["sample_weight"], atol=1e-4)   # the weights mattered
@@ -466,10 +458,7 @@ class PenalisedOutputs(keras.Model):
 def test_the_override_over_several_weighted_outputs_equals_keras(cpu_devices):
     x, y = _data()
     targets = {"label": y, "value": x[:, :1] * 2.0}
-    plain = _two_outputs(PenalisedOutputs)
-    plain_history = plain.fit(x, targets, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    model = use_sma(_two_outputs(PenalisedOutputs), four_learners(cpu_devices), algorithm="ssgd")
-    history = model.fit(x, targets, batch_size=G, epochs=2, shuffle=False, verbose=0)
-    for ours, theirs in zip(model.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    plain, plain_history, model, history = _plain_and_ssgd(lambda: _two_outputs(PenalisedOutputs), cpu_devices,
+                                                           x, targets)
+    _assert_same_weights(model, plain)
     np.testing.assert_allclose(history.history["loss"], plain_history.history["loss"], rtol=1e-5)
